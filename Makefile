@@ -1,0 +1,28 @@
+# Two commands: `make compare` (the main job) and `make test`. Both set up .venv first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+# DeepSpeed JIT-compiles its CPU shared-memory all-reduce with g++ + ninja; keep the build cache in the repo.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test compare bench-hf clean
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
+	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+compare: setup
+	$(PY) scripts/compare.py
+
+clean:
+	rm -rf $(VENV) .cache results checkpoints

@@ -1,0 +1,123 @@
+"""The one interface every engine implements, and the checks every engine shares.
+
+`scripts/compare.py` only ever talks to a `Backend`: it loads one by name with `load_backend`,
+then calls `logits` and `generate`. Nothing in the comparison knows which library is underneath.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import GPTBigCodeConfig
+
+from .config import ConfigError, check_tp
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor                  # LongTensor [B, T + N]: prompt (as given, padded) + new tokens
+    prefill_s: float                      # prompt forward + first token
+    step_s: list[float] = field(default_factory=list)  # one entry per further token
+    kv_cache_bytes: int = 0               # bytes held by the KV cache tensors (measured, per rank)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.step_s) + 1
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    config: GPTBigCodeConfig
+    dtype: torch.dtype
+    tp_size: int
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """FloatTensor [B, T, V] for every position (padded positions included)."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0) -> GenerationResult:
+        """Greedy or seeded sampling on a left-padded batch; no early stop."""
+
+    def close(self) -> None:
+        """Release what the backend holds (worker processes for TP > 1)."""
+
+
+# name -> "module:class"; imported lazily so a missing optional library only affects its backend.
+BACKENDS = {
+    "hf": "plugins.hf:HFBackend",
+    "deepspeed": "plugins.deepspeed_backend:DeepSpeedBackend",
+    "deepspeed-autotp": "plugins.deepspeed_backend:AutoTPBackend",
+    "megatron": "plugins.megatron:MegatronGPT",
+}
+
+
+def backend_class(name: str):
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def load_backend(name: str, hf_dir: str | Path, dtype="float32", tp_size: int = 1, **options) -> Backend:
+    return backend_class(name).from_hf(hf_dir, dtype=dtype, tp_size=tp_size, **options)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
+    """A torch dtype from a name; refuses fp16 where the device cannot run it (CPU)."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+        dtype = _DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == torch.float16 and device == "cpu":
+        raise ConfigError("float16 is not supported on CPU (use bfloat16 or float32)")
+    return dtype
+
+
+def check_load(config: GPTBigCodeConfig, tp_size: int, max_tp: int | None = None) -> None:
+    """Shared checks before any weights are read."""
+    check_tp(config, tp_size)
+    if max_tp is not None and tp_size > max_tp:
+        raise ConfigError(f"this backend supports tp_size <= {max_tp}, got {tp_size}")
+
+
+def check_inputs(config: GPTBigCodeConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 max_new_tokens: int = 0) -> None:
+    """Shapes, left padding and length against n_positions, checked before any compute."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ConfigError(f"input_ids must be an integer tensor [batch, seq], got {tuple(input_ids.shape)} "
+                          f"{input_ids.dtype}")
+    if attention_mask is None or attention_mask.shape != input_ids.shape:
+        raise ConfigError("attention_mask must have the same shape as input_ids")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+        raise ConfigError(f"token ids must lie in [0, {config.vocab_size})")
+    mask = attention_mask.bool()
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        raise ConfigError("attention_mask must be left-padded (zeros first, then ones)")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    total = input_ids.shape[1] + max_new_tokens
+    if total > config.n_positions:
+        raise ConfigError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "
+                          f"exceeds n_positions {config.n_positions}")
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: each prompt starts at 0, as if run alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,109 @@
+"""Model configs: `configs/models/<name>.yaml` -> `transformers.GPTBigCodeConfig`.
+
+A config file names only the architecture; everything else takes GPTBigCodeConfig's defaults
+(tied embeddings, scaled attention, fp32 softmax). Unknown keys are an error, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+from transformers import GPTBigCodeConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS_DIR = REPO_ROOT / "configs"
+MODELS_DIR = CONFIGS_DIR / "models"
+
+
+class ConfigError(ValueError):
+    """A config file or a requested setting is invalid."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    n_positions: int
+    multi_query: bool = True
+    activation_function: str = "gelu_pytorch_tanh"
+    layer_norm_epsilon: float = 1e-5
+    n_inner: int | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+
+    def to_hf(self) -> GPTBigCodeConfig:
+        return GPTBigCodeConfig(
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            vocab_size=self.vocab_size,
+            n_positions=self.n_positions,
+            multi_query=self.multi_query,
+            activation_function=self.activation_function,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            n_inner=self.n_inner,
+            initializer_range=self.initializer_range,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=0,  # <|endoftext|> in configs/tokenizer
+            eos_token_id=0,
+            # Inference only: dropouts off so every backend computes the same function.
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+
+
+_SPEC_KEYS = {f.name for f in fields(ModelSpec)}
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
+
+
+def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
+    """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = MODELS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown model config {str(name_or_path)!r}; known: {', '.join(model_names())}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values")
+    raw.update(overrides)
+    unknown = sorted(set(raw) - _SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"{path.name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SPEC_KEYS))}")
+    return ModelSpec(**raw)
+
+
+def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig:
+    return load_spec(name_or_path, **overrides).to_hf()
+
+
+def kv_heads(config: GPTBigCodeConfig) -> int:
+    return 1 if config.multi_query else config.n_head
+
+
+def head_dim(config: GPTBigCodeConfig) -> int:
+    return config.n_embd // config.n_head
+
+
+def check_tp(config: GPTBigCodeConfig, tp_size: int) -> None:
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if config.n_head % tp_size:
+        raise ConfigError(f"tp_size {tp_size} does not divide n_head {config.n_head}")

@@ -1,0 +1,90 @@
+"""The generation loop every backend shares: prefill, then one token per step.
+
+A backend supplies a `Decoder` (prefill / decode on its own KV cache); the loop owns sampling,
+positions, the attention mask and timing, so all engines sample identically from the same logits
+and are timed the same way. Buffers for tokens and mask are allocated once, before the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from .backend import GenerationResult, position_ids
+
+
+class Decoder(Protocol):
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt, fill the cache; return logits of the last position [B, V]."""
+
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence [B, 1] (mask covers cache + token); return logits [B, V]."""
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+
+
+class Sampler:
+    """Greedy, or temperature / top-k / top-p sampling from a seeded generator."""
+
+    def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0):
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the smallest set reaching top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        probs = logits.softmax(-1).cpu()
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
+
+
+@torch.inference_mode()
+def generate(decoder: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+             sampler: Sampler) -> GenerationResult:
+    batch, prompt_len = input_ids.shape
+    total = prompt_len + max_new_tokens
+    device = input_ids.device
+    tokens = torch.empty((batch, total), dtype=torch.long, device=device)
+    tokens[:, :prompt_len] = input_ids
+    mask = torch.ones((batch, total), dtype=attention_mask.dtype, device=device)
+    mask[:, :prompt_len] = attention_mask
+    if max_new_tokens == 0:
+        return GenerationResult(tokens=tokens, prefill_s=0.0)
+
+    start = time.perf_counter()
+    pos = position_ids(attention_mask)
+    logits = decoder.prefill(input_ids, attention_mask, pos)
+    tokens[:, prompt_len] = sampler(logits)
+    prefill_s = time.perf_counter() - start
+
+    next_pos = pos[:, -1:] + 1
+    step_s = []
+    for i in range(prompt_len + 1, total):
+        start = time.perf_counter()
+        logits = decoder.decode(tokens[:, i - 1:i], mask[:, :i], next_pos)
+        tokens[:, i] = sampler(logits)
+        next_pos += 1
+        step_s.append(time.perf_counter() - start)
+    return GenerationResult(tokens=tokens, prefill_s=prefill_s, step_s=step_s,
+                            kv_cache_bytes=decoder.kv_cache_bytes())

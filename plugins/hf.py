@@ -1,0 +1,78 @@
+"""The Hugging Face baseline: `GPTBigCodeForCausalLM` as transformers ships it (SDPA, DynamicCache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, GPTBigCodeForCausalLM
+
+from .backend import GenerationResult, check_inputs, check_load, position_ids, resolve_dtype, tensor_bytes
+from .checkpoint import load_hf_model, read_hf_config
+from .generation import Sampler, generate
+
+
+class HFDecoder:
+    """Drives any HF causal LM whose forward takes (input_ids, attention_mask, position_ids, cache)."""
+
+    def __init__(self, model, cache=None):
+        self.model = model
+        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+
+    def _forward(self, input_ids, attention_mask, position_ids):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def prefill(self, input_ids, attention_mask, position_ids):
+        return self._forward(input_ids, attention_mask, position_ids)
+
+    def decode(self, tokens, attention_mask, position_ids):
+        return self._forward(tokens, attention_mask, position_ids)
+
+    def kv_cache_bytes(self) -> int:
+        layers = getattr(self.cache, "layers", [])
+        return tensor_bytes(t for layer in layers for t in (layer.keys, layer.values) if t is not None)
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model: GPTBigCodeForCausalLM, dtype: torch.dtype, device: str = "cpu"):
+        self.model = model
+        self.config = model.config
+        self.dtype = dtype
+        self.device = device
+        self.tp_size = 1
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(dtype, device)
+        check_load(read_hf_config(hf_dir), tp_size, max_tp=1)
+        return cls(load_hf_model(hf_dir, dtype).to(device), dtype, device)
+
+    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
+        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    @torch.inference_mode()
+    def logits(self, input_ids, attention_mask):
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids(attention_mask), use_cache=False)
+        return out.logits.float().cpu()
+
+    def decoder(self) -> HFDecoder:
+        return HFDecoder(self.model)
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
+                 top_p=1.0, seed=0) -> GenerationResult:
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
+        result = generate(self.decoder(), input_ids, attention_mask, max_new_tokens, sampler)
+        result.tokens = result.tokens.cpu()
+        return result
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,101 @@
+"""A real byte-level BPE tokenizer and real code prompts, with no download.
+
+The tokenizer is trained with the `tokenizers` library on the Python standard library sources of
+this interpreter (present on every machine), and shipped as `configs/tokenizer/tokenizer.json`.
+`python -m plugins.tokenizer --check` retrains it and asserts the result is identical.
+Prompts are windows of exactly the requested token length cut from `configs/prompts/code.py.txt`,
+a fixed file of real code, so benchmark inputs do not change when the machine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .config import CONFIGS_DIR
+
+TOKENIZER_FILE = CONFIGS_DIR / "tokenizer" / "tokenizer.json"
+PROMPTS_FILE = CONFIGS_DIR / "prompts" / "code.py.txt"
+VOCAB_SIZE = 49152
+# SantaCoder's special tokens, so ids 0.. are the same kind of thing as upstream.
+SPECIAL_TOKENS = ["<|endoftext|>", "<fim-prefix>", "<fim-middle>", "<fim-suffix>", "<fim-pad>"]
+EOS_ID = 0
+PAD_ID = 0
+_SKIP = {"site-packages", "test", "tests", "idle_test", "lib2to3", "__pycache__"}
+
+
+def training_files() -> list[str]:
+    """Every stdlib .py file but tests and installed packages, sorted (training is order-dependent)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(str(p) for p in stdlib.rglob("*.py") if not _SKIP & set(p.relative_to(stdlib).parts))
+
+
+def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(training_files(), trainer)
+    return tok
+
+
+def load_tokenizer() -> Tokenizer:
+    if not TOKENIZER_FILE.is_file():
+        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing: run `python -m plugins.tokenizer --write`")
+    return Tokenizer.from_file(str(TOKENIZER_FILE))
+
+
+def prompt_token_ids(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
+    """Real code, exactly `length` tokens: the `index`-th window of the prompt corpus."""
+    ids = tok.encode(PROMPTS_FILE.read_text()).ids
+    if length > len(ids):
+        raise ValueError(f"prompt length {length} exceeds the prompt corpus ({len(ids)} tokens)")
+    stride = max(1, (len(ids) - length) // 97)  # 97 distinct, well-spread windows
+    start = (index * stride) % (len(ids) - length + 1)
+    return ids[start:start + length]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch sequences of different lengths, padding on the left (what decoder-only generation wants)."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            input_ids[i, width - len(s):] = torch.tensor(s)
+            attention_mask[i, width - len(s):] = 1
+    return input_ids, attention_mask
+
+
+def make_batch(tok: Tokenizer, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` different real-code prompts of `prompt_len` tokens each (no padding needed)."""
+    return left_pad([prompt_token_ids(tok, prompt_len, i) for i in range(batch_size)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help="train and write configs/tokenizer/tokenizer.json")
+    ap.add_argument("--check", action="store_true", help="retrain and check the shipped file is identical")
+    args = ap.parse_args(argv)
+    tok = train_tokenizer()
+    if args.write:
+        TOKENIZER_FILE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = TOKENIZER_FILE.with_suffix(".tmp")
+        tok.save(str(tmp))
+        tmp.replace(TOKENIZER_FILE)
+        print(f"wrote {TOKENIZER_FILE} ({tok.get_vocab_size()} tokens)")
+    if args.check:
+        same = tok.to_str() == load_tokenizer().to_str()
+        print("tokenizer identical" if same else "tokenizer DIFFERS from the shipped file")
+        return 0 if same else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

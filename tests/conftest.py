@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny seeded checkpoints written once per session, and left-padded prompts."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from plugins.checkpoint import create_checkpoint  # noqa: E402
+from plugins.config import load_model_config  # noqa: E402
+from plugins.tokenizer import left_pad, load_tokenizer, prompt_token_ids  # noqa: E402
+
+PROMPT_LENGTHS = (5, 17, 11)  # three prompts of different lengths -> real left padding
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """(model name, **overrides) -> HF dir with seed-0 weights, made once per session."""
+    made = {}
+
+    def make(name="tiny", seed=0, **overrides):
+        key = (name, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            tag = "-".join([name, str(seed)] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+            made[key] = create_checkpoint(load_model_config(name, **overrides),
+                                          tmp_path_factory.mktemp("ckpt") / tag, seed=seed)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(params=["tiny", "tiny-mha"])
+def tiny_dir(request, ckpt_factory):
+    return ckpt_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def padded_batch(tokenizer):
+    seqs = [prompt_token_ids(tokenizer, n, i) for i, n in enumerate(PROMPT_LENGTHS)]
+    ids, mask = left_pad(seqs)
+    return seqs, ids, mask
