@@ -30,6 +30,15 @@ class HFDecoder:
     def decode(self, tokens, attention_mask, position_ids):
         return self._forward(tokens, attention_mask, position_ids)
 
+    def forward_tokens(self, tokens, attention_mask, position_ids):
+        """Logits for every given token [B, n, V] (speculative verification)."""
+        return self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                          cache=self.cache, use_cache=True).logits
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.cache.crop(-n)
+
     def kv_cache_bytes(self) -> int:
         layers = getattr(self.cache, "layers", [])
         return tensor_bytes(t for layer in layers for t in (layer.keys, layer.values) if t is not None)
