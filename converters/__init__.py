@@ -1,0 +1,121 @@
+"""Checkpoint converters: HF gpt_bigcode <-> Megatron (megatron-core, Megatron-LM legacy, BigCode fork).
+
+Every format module has `read(src) -> (config, hf_state)` and, where it can be written,
+`write(config, hf_state, dst_dir, tp_size=1)`; `hf_state` is the HF-named full state dict (the hub,
+see mapping.py). `convert()` = read -> optional KV-head pooling / dtype cast -> write into a temp
+dir beside DST -> read it back and compare every tensor -> rename to DST.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from pathlib import Path
+
+import torch
+
+from plugins.backend import resolve_dtype
+from plugins.checkpoint import atomic_dir
+
+from .mapping import ConversionError, Shape, hf_to_mcore, mcore_to_hf, pool_kv_heads, query_groups  # noqa: F401
+
+FORMATS = {  # format name -> module
+    "hf": "converters.hf",
+    "megatron": "converters.megatron_core",  # dist_checkpointing; owned by the megatron adapter
+    "megatron-legacy": "converters.megatron_legacy",
+    "bigcode-megatron": "converters.bigcode_megatron",
+}
+WRITABLE = ("hf", "megatron", "megatron-legacy")
+ARCH = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "tie_word_embeddings", "layer_norm_epsilon")
+
+
+def format_module(name: str, write: bool = False):
+    known = WRITABLE if write else tuple(FORMATS)
+    if name not in known:
+        raise ConversionError(f"unknown {'output' if write else 'input'} format {name!r}; known: {', '.join(known)}")
+    try:
+        return importlib.import_module(FORMATS[name])
+    except ModuleNotFoundError as e:
+        if e.name != FORMATS[name]:
+            raise
+        raise ConversionError(f"format {name!r} is not available ({FORMATS[name]} is not installed)") from None
+
+
+def _call(fn, *args, progress=None, **kwargs):
+    """Pass the progress bar only to format functions that take one."""
+    if progress is not None and "progress" in inspect.signature(fn).parameters:
+        kwargs["progress"] = progress
+    return fn(*args, **kwargs)
+
+
+def _stage(progress, name: str):
+    if progress is not None:
+        progress.set_description(name)
+
+
+def verify(config, hub: dict, config2, hub2: dict) -> None:
+    """The written checkpoint must read back to exactly what was written."""
+    for k in ARCH:
+        if getattr(config, k) != getattr(config2, k):
+            raise ConversionError(f"verification failed: {k} reads back as {getattr(config2, k)!r}, "
+                                  f"wrote {getattr(config, k)!r}")
+    if (config.n_inner or 4 * config.n_embd) != (config2.n_inner or 4 * config2.n_embd):
+        raise ConversionError("verification failed: n_inner differs")
+    if query_groups(config) != query_groups(config2):
+        raise ConversionError(f"verification failed: {query_groups(config2)} KV heads, wrote {query_groups(config)}")
+    if set(hub) != set(hub2):
+        raise ConversionError(f"verification failed: tensors differ: {sorted(set(hub) ^ set(hub2))[:5]}")
+    for name, t in hub.items():
+        if t.dtype != hub2[name].dtype or not torch.equal(t, hub2[name]):
+            raise ConversionError(f"verification failed: {name} does not read back bit-exact")
+
+
+def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, kv_heads: int | None = None,
+            dtype: str | torch.dtype | None = None, force: bool = False, progress=None) -> dict:
+    """Convert checkpoint SRC (src_format) to DST (dst_format); returns a summary dict.
+
+    tp_size: TP ranks of the output (Megatron formats). kv_heads: mean-pool K/V heads into this
+    many groups (MHA -> MQA with 1). dtype: cast every tensor (float32, bfloat16, float16).
+    progress: a tqdm-like bar (`set_description`, `reset(total)`, `update`), ticked per layer.
+    Errors (ConversionError, a ValueError) are raised before DST is touched; DST appears only
+    once complete and verified.
+    """
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    reader, writer = format_module(src_format), format_module(dst_format, write=True)
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ConversionError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if dst_format == "hf" and tp_size != 1:
+        raise ConversionError(f"the HF format has no tensor parallelism (got tp_size={tp_size})")
+    cast = resolve_dtype(dtype) if dtype is not None else None
+    if not src.exists():
+        raise ConversionError(f"{src} does not exist")
+    if dst.exists() and not force:
+        raise ConversionError(f"{dst} already exists (pass force=True / --force to overwrite)")
+    if dst.resolve() == src.resolve():
+        raise ConversionError("SRC and DST are the same path")
+
+    _stage(progress, f"read {src_format}")
+    config, hub = _call(reader.read, src, progress=progress)
+    if kv_heads is not None:
+        config, hub = pool_kv_heads(hub, config, kv_heads)
+    if cast is not None:
+        hub = {k: v.to(cast) for k, v in hub.items()}
+    # Refuse what the writer would refuse before creating anything.
+    Shape(config, tp_size, None, "mcore" if dst_format == "megatron" else "legacy")
+    if hasattr(writer, "check_writable"):
+        writer.check_writable(config, tp_size)
+
+    with atomic_dir(dst, force=force) as tmp:
+        _stage(progress, f"write {dst_format}")
+        _call(writer.write, config, hub, tmp, tp_size=tp_size, progress=progress)
+        _stage(progress, "verify")
+        config2, hub2 = _call(writer.read, tmp, progress=progress)
+        verify(config, hub, config2, hub2)
+        del hub2
+    n_bytes = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+    return {"src": str(src), "dst": str(dst), "from": src_format, "to": dst_format, "tp_size": tp_size,
+            "kv_heads": query_groups(config), "tensors": len(hub),
+            "params": sum(t.numel() for t in hub.values()), "bytes": n_bytes,
+            "seconds": time.perf_counter() - t0}

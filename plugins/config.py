@@ -95,7 +95,8 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig
 
 
 def kv_heads(config: GPTBigCodeConfig) -> int:
-    return 1 if config.multi_query else config.n_head
+    # num_query_groups: Megatron-only GQA configs made by converters (HF implements MQA and MHA only)
+    return getattr(config, "num_query_groups", None) or (1 if config.multi_query else config.n_head)
 
 
 def head_dim(config: GPTBigCodeConfig) -> int:

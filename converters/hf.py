@@ -1,0 +1,50 @@
+"""HF format: a directory with `config.json` + `model.safetensors` that `from_pretrained` loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import GPTBigCodeConfig
+
+from plugins.checkpoint import WEIGHTS_NAME, read_hf_config
+
+from .mapping import ConversionError, check_hf_state, query_groups
+
+
+def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
+    src = Path(src)
+    config = read_hf_config(src)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"{src} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConversionError(f"cannot read {f}: {e}") from None
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    check_hf_state(state, config, what=str(src))
+    return config, state
+
+
+def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
+    """Everything `write` would refuse, checked before any work."""
+    if tp_size != 1:
+        raise ConversionError(f"the HF format has no tensor parallelism (got tp_size={tp_size}); use --tp 1")
+    groups = query_groups(config)
+    if groups not in (1, config.n_head):
+        raise ConversionError(f"HF gpt_bigcode supports only MQA (1 KV head) or MHA ({config.n_head} KV heads), "
+                              f"not {groups} KV heads; write GQA to a Megatron format instead")
+
+
+def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: int = 1, progress=None) -> None:
+    check_writable(config, tp_size)
+    check_hf_state(hf_state, config)
+    dst = Path(dst)
+    config.save_pretrained(dst)
+    state = {k: v.contiguous() for k, v in hf_state.items()}
+    save_file(state, dst / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -1,0 +1,114 @@
+"""The KV cache of the injected layers: preallocated, written by index, one KV head for MQA.
+
+It is a transformers `Cache`, so HF `generate` and `GPTBigCodeModel.forward` read positions and
+mask sizes from it as from their own. Each layer holds `keys` / `values` of shape
+[batch, kv_heads, capacity, head_dim] (kv_heads = 1 for MQA) allocated once; `update` copies the
+new tokens into the next free slots and returns views of the filled prefix. Nothing is
+concatenated and K/V are never expanded to all query heads (attention broadcasts the one head).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SingleHeadLayer(CacheLayerMixin):
+    """One layer's preallocated K/V. `capacity` tokens; allocated on first `update` (or `allocate`)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, capacity: int, **kwargs):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        shape = (batch, kv_heads, self.capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = self.keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, _, head_dim = key_states.shape
+        self.allocate(batch, kv_heads, head_dim, key_states.dtype, key_states.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [batch, kv_heads, new, head_dim] -> views of all cached [.., length, ..]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache full: {end} tokens > capacity {self.capacity} "
+                             f"(size it with max_out_tokens / SingleHeadCache(max_length=...))")
+        self.keys[:, :, start:end].copy_(key_states)
+        self.values[:, :, start:end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.length = 0  # the buffers stay; stale slots are overwritten before they are read
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.keys.copy_(self.keys.index_select(0, beam_idx.to(self.device)))
+            self.values.copy_(self.values.index_select(0, beam_idx.to(self.device)))
+
+    def crop(self, max_length: int) -> None:
+        self.length = max_length if max_length >= 0 else self.length + max_length
+
+
+class SingleHeadCache(Cache):
+    """A `Cache` of `SingleHeadLayer`s sized for `max_length` tokens (prompt + new tokens).
+
+    Pass it to HF: `model(..., cache=SingleHeadCache(config, max_length))` or
+    `model.generate(..., cache=SingleHeadCache(config, max_length))`. With `batch` and `dtype` given,
+    the buffers are allocated here, before the first forward: per rank of `tp_size`, one KV head
+    (MQA, replicated) or n_head / tp_size heads (MHA).
+    """
+
+    def __init__(self, config, max_length: int, batch: int | None = None, dtype: torch.dtype | None = None,
+                 device="cpu", tp_size: int = 1):
+        if max_length > config.n_positions:
+            raise ValueError(f"max_length {max_length} exceeds n_positions {config.n_positions}")
+        super().__init__(layers=[SingleHeadLayer(max_length) for _ in range(config.n_layer)])
+        if batch is not None and dtype is not None:
+            kv_heads = 1 if config.multi_query else config.n_head // tp_size
+            for layer in self.layers:
+                layer.allocate(batch, kv_heads, config.n_embd // config.n_head, dtype, device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+
+def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | None:
+    """This layer's `SingleHeadLayer` in whatever `Cache` HF passed (None: no cache, a plain forward).
+
+    HF `generate` creates its default `DynamicCache` before any layer runs. At prefill the injected
+    layer swaps that cache's entry for a `SingleHeadLayer` of `capacity` tokens (DeepSpeed's
+    `max_out_tokens`, its own KV-workspace size), so HF's default path also never concatenates.
+    """
+    if cache is None:
+        return None
+    if not isinstance(cache, Cache):
+        raise TypeError(f"the injected gpt_bigcode layer needs a transformers Cache, got {type(cache).__name__}")
+    layers = cache.layers
+    while len(layers) <= layer_idx:  # caches built with layer_class_to_replicate grow lazily
+        layers.append(SingleHeadLayer(capacity))
+    if not isinstance(layers[layer_idx], SingleHeadLayer):
+        if layers[layer_idx].get_seq_length() != 0:
+            raise ValueError("cannot take over a cache that already holds tokens from another layer type")
+        layers[layer_idx] = SingleHeadLayer(capacity)
+    return layers[layer_idx]

@@ -1,0 +1,102 @@
+"""Every patch of DeepSpeed 0.19.8 this project needs, in one place.
+
+Each patch names the upstream function it works around and is checked by a test in
+tests/test_injection.py that fails if upstream changes. `apply()` is idempotent; the originals
+are kept in `UPSTREAM` (tests call them to show the upstream behaviour is still there).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import deepspeed.module_inject.replace_module as ds_replace_module
+from deepspeed.accelerator import get_accelerator
+from deepspeed.module_inject import fusedqkv_utils
+from deepspeed.module_inject.containers.opt import HFOPTLayerPolicy
+from deepspeed.module_inject.policy import TransformerPolicy
+from deepspeed.module_inject.replace_policy import replace_policies
+from deepspeed.ops.transformer.inference.op_binding.base import BaseOp
+
+UPSTREAM = {
+    "replace_module.policy_to_ds_container": ds_replace_module.policy_to_ds_container,
+    "HFOPTLayerPolicy.__init__": HFOPTLayerPolicy.__init__,
+}
+_containers = {}  # our policy class -> our container class
+
+
+# 1. deepspeed/module_inject/utils.py: policy_to_ds_container
+#    A closed dict of DeepSpeed's own policies; any other policy gets None and injection fails.
+#    replace_module.py imports it by name, so the name is rebound there.
+def _policy_to_ds_container(**kwargs):
+    container = _containers.get(type(kwargs["policy"]))
+    if container is not None:
+        return container(**kwargs)
+    return UPSTREAM["replace_module.policy_to_ds_container"](**kwargs)
+
+
+# 2. deepspeed/module_inject/containers/opt.py: HFOPTLayerPolicy.__init__
+#    replace_module() instantiates every policy with client_module=None just to read its
+#    _orig_layer_class; OPT's __init__ then validates TransformerPolicy.hf_model_config (the model
+#    being injected) and raises "Unsupported activation function: gelu_pytorch_tanh" for
+#    gpt_bigcode. Only that throw-away instance, for a gpt_bigcode model, is spared the check.
+def _opt_policy_init(self, client_module, *args, **kwargs):
+    config = TransformerPolicy.hf_model_config
+    if client_module is None and getattr(config, "model_type", None) == "gpt_bigcode":
+        TransformerPolicy.hf_model_config = None
+        try:
+            return UPSTREAM["HFOPTLayerPolicy.__init__"](self, client_module, *args, **kwargs)
+        finally:
+            TransformerPolicy.hf_model_config = config
+    return UPSTREAM["HFOPTLayerPolicy.__init__"](self, client_module, *args, **kwargs)
+
+
+def apply(policy_cls, container_cls) -> None:
+    """Register `policy_cls` -> `container_cls` with DeepSpeed's injection (idempotent)."""
+    _containers[policy_cls] = container_cls
+    if policy_cls not in replace_policies:
+        replace_policies.append(policy_cls)  # the list replace_module() iterates
+    ds_replace_module.policy_to_ds_container = _policy_to_ds_container
+    HFOPTLayerPolicy.__init__ = _opt_policy_init
+
+
+class _NoKernels:
+    """An `inference_module` without kernels: every op binding takes its `*_fallback`."""
+
+
+# 3. deepspeed/ops/transformer/inference/op_binding/base.py: BaseOp.__init__
+#    loads InferenceBuilder, which on the CPU accelerator is NotImplementedBuilder whose load()
+#    raises ValueError ("This op had not been implemented on CPU backend"), so no inference layer
+#    can even be built on CPU although every binding has a pure-torch fallback. While our layer
+#    is built on CPU, BaseOp sees a module without kernels (AttributeError -> fallback); the
+#    previous value is restored after, so other models' injection is untouched.
+def on_cpu() -> bool:
+    return get_accelerator().device_name() == "cpu"
+
+
+@contextmanager
+def cpu_op_fallbacks():
+    if not on_cpu():
+        yield
+        return
+    saved = BaseOp.inference_module
+    BaseOp.inference_module = _NoKernels()
+    try:
+        yield
+    finally:
+        BaseOp.inference_module = saved
+
+
+# 4. deepspeed/module_inject/fusedqkv_utils.py: prepare_tp_fused_qkvw, 'bigcodetype'
+#    FUSED_QKV_TYPE_DICT sends every GPTBigCodeBlock to _bigcode_type_transpose, which assumes the
+#    MQA layout [Q (n_embd) | K | V] and replicates "kv"; an MHA c_attn (per head [q, k, v]) is then
+#    cut into garbage. While AutoTP shards an MHA model, its c_attn is split as 'bloomtype'
+#    (contiguous runs of whole heads, which is exactly per-head [q, k, v]).
+@contextmanager
+def mha_bigcode_qkv_as_bloom(enabled: bool):
+    saved = fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"]
+    if enabled:
+        fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] = "bloomtype"
+    try:
+        yield
+    finally:
+        fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] = saved

@@ -1,0 +1,259 @@
+"""Run a tensor-parallel backend in N worker processes and drive it from a single process.
+
+    m = RemoteBackend("megatron", hf_dir, dtype="float32", tp_size=2)   # starts 2 ranks
+    m.logits(ids, mask); m.generate(ids, mask, 64); m.close()
+
+The parent listens on a private AF_UNIX socket and starts `torchrun` (or `deepspeed`) on this
+file. Every rank joins a gloo group; rank 0 connects back to the parent. Each call travels
+parent -> rank 0 -> all ranks (`broadcast_object_list`); every rank runs it on its shard, and
+rank 0 sends back its result or the traceback of any rank that failed. Every wait has a
+deadline and checks that the workers are still alive, so a dead or stuck rank is an error in
+the parent (with the tail of the workers' log), never a hang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from functools import partial
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import torch
+
+from plugins.backend import backend_class, check_inputs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
+TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
+
+
+def launch_command(launcher: str, nproc: int) -> list[str]:
+    """The command that starts `nproc` ranks of this module's worker loop on this machine.
+
+    Run as a module, not as a file: a script's folder goes first on sys.path, and
+    plugins/megatron would then shadow the real `megatron` package.
+    """
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "-m", "plugins.launcher"]
+    if launcher == "deepspeed":  # passes --local_rank=N to the script
+        port = free_port()
+        return [str(Path(sys.executable).with_name("deepspeed")), f"--num_accelerators={nproc}",
+                f"--master_port={port}", "--module", "plugins.launcher"]
+    raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun' or 'deepspeed'")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    """A worker rank failed, died, or did not answer in time."""
+
+
+class RemoteBackend:
+    """A `Backend` whose ranks run in worker processes; results are rank 0's."""
+
+    def __init__(self, name: str, path, dtype="float32", tp_size: int = 2, method: str = "from_hf",
+                 launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, **options):
+        command = launch_command(launcher, tp_size)
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="plugins-launcher-"))  # 0700: only we can connect
+        self.log_path = self._dir / "workers.log"
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(self._dir / "sock"))
+        server.listen(1)
+        server.settimeout(0.2)
+        worker_env = {**os.environ, "LOCAL_SIZE": str(tp_size), "OMP_NUM_THREADS": str(_threads_per_rank(tp_size)),
+                      ADDRESS_ENV: str(self._dir / "sock"), TIMEOUT_ENV: str(timeout_s),
+                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                      **(env or {})}
+        with open(self.log_path, "wb") as log:
+            # Own session: close() can end torchrun and its ranks as one process group.
+            self._proc = subprocess.Popen(command, env=worker_env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
+        self._conn: Connection | None = None
+        try:
+            self._conn = Connection(self._accept(server).detach())
+            info = self.call("__build__", name, method, str(path), dtype, tp_size, options)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            server.close()
+        self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
+
+    def _deadline_check(self, deadline: float, what: str) -> None:
+        if self._proc.poll() is not None:
+            self._fail(f"workers exited with code {self._proc.returncode} while {what}")
+        if time.monotonic() > deadline:
+            self._fail(f"workers did not answer within {self.timeout_s:g} s while {what}")
+
+    def _fail(self, error: str):
+        tail = self.log_tail()
+        self._kill()  # the ranks are out of step now: nothing more can be asked of them
+        raise WorkerError(f"{error}\n{tail}")
+
+    def _kill(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._finalizer()
+
+    def _accept(self, server: socket.socket) -> socket.socket:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                conn, _ = server.accept()
+                conn.setblocking(True)
+                return conn
+            except socket.timeout:
+                self._deadline_check(deadline, "starting")
+
+    def call(self, method: str, *args, **kwargs):
+        """Run `method(*args, **kwargs)` on every rank; return rank 0's result."""
+        if self._conn is None:
+            raise WorkerError("workers are closed")
+        _send(self._conn, (method, args, kwargs))
+        deadline = time.monotonic() + self.timeout_s
+        while not self._conn.poll(0.2):
+            self._deadline_check(deadline, f"running {method}")
+        try:
+            status, value = _recv(self._conn)
+        except (EOFError, OSError):
+            try:
+                self._proc.wait(timeout=10)  # let torchrun report why rank 0 went away
+            except subprocess.TimeoutExpired:
+                pass
+            self._fail(f"lost rank 0 while running {method} (workers exit code {self._proc.poll()})")
+        if status == "error":
+            raise WorkerError(f"{method} failed in the workers:\n{value}")
+        return value
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return partial(self.call, method)  # any other backend method, e.g. save_megatron
+
+    def logits(self, input_ids, attention_mask):
+        check_inputs(self.config, input_ids, attention_mask)
+        return self.call("logits", input_ids, attention_mask)
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
+        return self.call("generate", input_ids, attention_mask, max_new_tokens, **kwargs)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return "--- workers log (tail) ---\n" + self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self._conn is not None and self._proc.poll() is None:
+            try:
+                _send(self._conn, ("__close__", (), {}))
+                self._proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# Plain pickle: Connection.send would use torch's shared-memory tensor reductions, which hand
+# file descriptors between processes of one multiprocessing family; ours are strangers.
+def _send(conn: Connection, obj) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:
+    """End the worker process group we started (torchrun and its ranks), then remove our temp dir."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+# ---- worker side: this file run by torchrun / deepspeed in every rank ---------------------------
+
+def _build(name, method, path, dtype, tp_size, options):
+    if ":" in name:  # "module:Class", for backends outside plugins.backend.BACKENDS
+        module, cls = name.split(":")
+        cls = getattr(importlib.import_module(module), cls)
+    else:
+        cls = backend_class(name)
+    backend = getattr(cls, method)(path, dtype=dtype, tp_size=tp_size, **options)
+    info = {"name": backend.name, "config": backend.config, "dtype": backend.dtype}
+    return backend, info
+
+
+def worker_main() -> None:
+    import torch.distributed as dist
+
+    timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
+    backend = None
+    while True:
+        request = [_recv(conn) if rank == 0 else None]
+        dist.broadcast_object_list(request, src=0)
+        method, args, kwargs = request[0]
+        if method == "__close__":
+            break
+        result, error = None, None
+        try:
+            if method == "__build__":
+                backend, result = _build(*args, **kwargs)
+            else:
+                result = getattr(backend, method)(*args, **kwargs)
+        except Exception:
+            error = traceback.format_exc()
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        if rank == 0:
+            failed = [f"[rank {r}]\n{e}" for r, e in enumerate(errors) if e]
+            _send(conn, ("error", "\n".join(failed)) if failed else ("ok", result))
+    if backend is not None:
+        backend.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    worker_main()

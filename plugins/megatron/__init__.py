@@ -1,0 +1,11 @@
+"""megatron-core GPTModel adapter for gpt_bigcode (MQA / MHA): CPU or CUDA, TP over torch.distributed."""
+
+import warnings
+
+# megatron-core warns at import about every optional CUDA extension it does not find.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|transformer_engine).*", category=UserWarning)
+
+from .backend import MegatronGPT, read_hf_state  # noqa: E402
+from .model import build_model, check_config, init_parallel, transformer_config  # noqa: E402
+
+__all__ = ["MegatronGPT", "build_model", "check_config", "init_parallel", "read_hf_state", "transformer_config"]

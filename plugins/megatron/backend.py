@@ -1,0 +1,133 @@
+"""`MegatronGPT`: the `Backend` for megatron-core's GPTModel (TP over torch.distributed).
+
+TP > 1 needs one process per rank. Inside ranks (e.g. `torchrun --nproc_per_node 2 script.py`
+calling `from_hf(..., tp_size=2)` everywhere) the model is built right here and every rank
+returns the same results. From a single process, `from_hf(..., tp_size=2)` starts the ranks
+with `plugins.launcher` and returns its proxy, which forwards every call to them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from plugins.backend import GenerationResult, check_inputs, position_ids, resolve_dtype
+from plugins.checkpoint import read_hf_config
+from plugins.config import ConfigError
+from plugins.generation import Sampler, generate
+
+from .decoder import MegatronDecoder, causal_padding_mask
+from .model import build_model, check_config, init_parallel, load_rank_state
+
+
+def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{hf_dir} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _no_options(options: dict) -> None:
+    """Launcher options (launcher, env, timeout_s) only mean something when ranks are started."""
+    if options:
+        raise ConfigError(f"unexpected option(s) {', '.join(sorted(options))} for an in-process model")
+
+
+def _remote(method: str, path, dtype, tp_size: int, **options):
+    from plugins.launcher import RemoteBackend
+    return RemoteBackend("megatron", path, dtype=dtype, tp_size=tp_size, method=method, **options)
+
+
+class MegatronGPT:
+    name = "megatron"
+
+    def __init__(self, model, config, dtype: torch.dtype, tp_size: int):
+        self.model = model
+        self.config = config
+        self.dtype = dtype
+        self.tp_size = tp_size
+        self.device = self._device()
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, attention: str = "sdpa", **options):
+        """attention: "sdpa" (plugins/megatron/attention.py) or "megatron" (DotProductAttention)."""
+        dtype = resolve_dtype(dtype)
+        config = read_hf_config(hf_dir)
+        check_config(config, tp_size, attention)
+        if tp_size > _world_size():
+            return _remote("from_hf", hf_dir, dtype, tp_size, attention=attention, **options)
+        _no_options(options)
+        return cls.from_state(config, read_hf_state(hf_dir), dtype, tp_size, attention)
+
+    @classmethod
+    def from_state(cls, config, hf_state: dict, dtype=torch.float32, tp_size: int = 1, attention: str = "sdpa"):
+        """Build this rank's model from an HF state dict (split with converters.mapping)."""
+        from converters.mapping import hf_to_mcore
+
+        rank = init_parallel(tp_size)
+        model = build_model(config, tp_size, dtype, attention=attention)
+        shard = hf_to_mcore(hf_state, config, tp_size)[rank]
+        load_rank_state(model, {k: v.to(dtype) for k, v in shard.items()})
+        return cls(model.to(cls._device()), config, dtype, tp_size)
+
+    @classmethod
+    def from_megatron(cls, ckpt_dir: str | Path, dtype="float32", tp_size: int = 1, attention: str = "sdpa",
+                      **options):
+        """Load a megatron-core dist checkpoint (converters/megatron_core.py) at any TP size."""
+        from converters.megatron_core import load_model, read_config
+
+        dtype = resolve_dtype(dtype)
+        config = read_config(ckpt_dir)
+        check_config(config, tp_size, attention)
+        if tp_size > _world_size():
+            return _remote("from_megatron", ckpt_dir, dtype, tp_size, attention=attention, **options)
+        _no_options(options)
+        model, config = load_model(ckpt_dir, tp_size, attention)
+        return cls(model.to(device=cls._device(), dtype=dtype), config, dtype, tp_size)
+
+    def save_megatron(self, dst: str | Path) -> None:
+        """Write this model as a megatron-core dist checkpoint (all ranks call this)."""
+        from converters.megatron_core import save_model
+        save_model(self.model, self.config, dst)
+
+    @staticmethod
+    def _device() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
+        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    @torch.inference_mode()
+    def logits(self, input_ids, attention_mask):
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
+        out = self.model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask),
+                         runtime_gather_output=True)
+        return out[..., : self.config.vocab_size].float().cpu()
+
+    def decoder(self, batch_size: int, max_len: int) -> MegatronDecoder:
+        return MegatronDecoder(self.model, batch_size, max_len, self.config.vocab_size)
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
+                 top_p=1.0, seed=0) -> GenerationResult:
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
+        # The last new token is sampled, never fed back: the cache holds T + N - 1 positions, as HF's does.
+        decoder = self.decoder(input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens, 1) - 1)
+        result = generate(decoder, input_ids, attention_mask, max_new_tokens, sampler)
+        result.tokens = result.tokens.cpu()
+        return result
+
+    def close(self) -> None:
+        pass

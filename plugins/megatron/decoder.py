@@ -1,0 +1,53 @@
+"""A `plugins.generation` decoder on megatron-core's `StaticInferenceContext`.
+
+megatron-core's inference engines are CUDA-only; its model and KV cache are not. The context
+preallocates, per layer, K and V of shape [max_seq, max_batch, kv_heads_per_rank, head_dim]
+(one KV head for MQA) on the first forward; we advance `sequence_len_offset` ourselves.
+Left padding is handled by an explicit boolean mask (True = masked) on every call and by the
+position ids the generation loop hands us.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.backend import tensor_bytes
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] (1 = token) -> bool [B, 1, T, T], True where a query must not look.
+
+    Every position may see itself, so padding rows are never fully masked (their softmax would
+    be NaN, and NaN values leak through zero attention weights into real rows).
+    """
+    t = attention_mask.shape[1]
+    future = torch.ones((t, t), dtype=torch.bool, device=attention_mask.device).triu(1)
+    masked = future[None, None] | ~attention_mask.bool()[:, None, None, :]
+    return masked & ~torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+
+
+class MegatronDecoder:
+    def __init__(self, model, batch_size: int, max_len: int, vocab_size: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model = model
+        self.vocab_size = vocab_size  # the model's vocabulary is padded; padding columns are dropped
+        self.ctx = StaticInferenceContext(batch_size, max_len)
+
+    def _forward(self, tokens, mask, position_ids):
+        logits = self.model(tokens, position_ids, mask, inference_context=self.ctx, runtime_gather_output=True)
+        self.ctx.sequence_len_offset += tokens.shape[1]
+        return logits[:, -1, : self.vocab_size]
+
+    def prefill(self, input_ids, attention_mask, position_ids):
+        self.ctx.reset()
+        logits = self._forward(input_ids, causal_padding_mask(attention_mask), position_ids)
+        self.ctx.enable_decode_mode()
+        return logits
+
+    def decode(self, tokens, attention_mask, position_ids):
+        # One query per row: only the padding columns of the cache are masked.
+        return self._forward(tokens, ~attention_mask.bool()[:, None, None, :], position_ids)
+
+    def kv_cache_bytes(self) -> int:
+        return tensor_bytes(t for kv in self.ctx.key_value_memory_dict.values() for t in kv)

@@ -1,0 +1,144 @@
+"""[tp]: gpt_bigcode with DeepSpeed tensor parallelism, TP=2, two real processes over gloo.
+
+The ranks are started by plugins.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
+launcher); results come back from rank 0. The first run JIT-compiles DeepSpeed's shm comm op.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins.backend import ConfigError, load_backend
+from plugins.checkpoint import load_hf_model, save_hf_dir
+from plugins.deepspeed_backend import AutoTPBackend, DeepSpeedBackend
+from plugins.hf import HFBackend
+
+REPO = Path(__file__).resolve().parent.parent
+TP = 2
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def random_bias_dir(ckpt_factory, tmp_path_factory):
+    """tiny / tiny-mha with random biases and layer norms, so their TP handling is exercised."""
+    made = {}
+
+    def make(name):
+        if name not in made:
+            model = load_hf_model(ckpt_factory(name))
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("bias") or ".ln_" in pname:
+                        p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            made[name] = save_hf_dir(model, tmp_path_factory.mktemp("tp") / name)
+        return made[name]
+
+    return make
+
+
+CASES = [(DeepSpeedBackend, "tiny", "torchrun"), (DeepSpeedBackend, "tiny-mha", "torchrun"),
+         (DeepSpeedBackend, "tiny", "deepspeed"), (AutoTPBackend, "tiny", "torchrun"),
+         (AutoTPBackend, "tiny-mha", "deepspeed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,name,launcher", CASES, ids=[f"{b.name}-{n}-{lc}" for b, n, lc in CASES])
+def test_tp2_balanced_shards_and_matches_hf(random_bias_dir, padded_batch, backend, name, launcher):
+    """Injected TP (our container) and AutoTP (injection.autotp): whole query heads per rank."""
+    hf_dir = random_bias_dir(name)
+    hf = HFBackend.from_hf(hf_dir)
+    cfg = hf.config
+    n, head_dim = cfg.n_embd, cfg.n_embd // cfg.n_head
+    ref_qkv = hf.model.transformer.h[0].attn.c_attn.weight.detach().t()  # [in, out] as DeepSpeed stores it
+    _, ids, mask = padded_batch
+    with backend.from_hf(hf_dir, tp_size=TP, launcher=launcher) as ds:
+        assert ds.tp_size == TP
+        shards = ds.shard_info()
+        logits = ds.logits(ids, mask)
+        tokens = ds.generate(ids, mask, NEW_TOKENS).tokens
+    assert len(shards) == TP
+    for rank, s in enumerate(shards):
+        kv_width = 2 * head_dim if cfg.multi_query else 2 * n // TP
+        assert s["attn_qkvw"] == (n, n // TP + kv_width)            # this rank's query heads + its K/V
+        assert s["attn_ow"] == (n // TP, n) and s["output_w"] == (4 * n // TP, n) and s["inter_w"] == (n, 4 * n // TP)
+        if cfg.multi_query:  # [Q heads of this rank | K | V]; K/V replicated and identical everywhere
+            q = ref_qkv[:, rank * n // TP:(rank + 1) * n // TP]
+            assert torch.equal(s["qkv_cols"], torch.cat([q, ref_qkv[:, n:]], 1))
+            assert torch.equal(s["kv_cols"], shards[0]["kv_cols"])
+        else:  # per-head [q, k, v] rows: one contiguous run of whole heads per rank
+            width = 3 * n // TP
+            assert torch.equal(s["qkv_cols"], ref_qkv[:, rank * width:(rank + 1) * width])
+    real = mask.bool()
+    assert (logits - hf.logits(ids, mask))[real].abs().max() <= 1e-5
+    assert torch.equal(tokens, hf.generate(ids, mask, NEW_TOKENS).tokens)
+
+
+def test_heads_not_divisible_by_tp_fails_before_any_rank_starts(ckpt_factory):
+    hf_dir = ckpt_factory("tiny", n_embd=96, n_head=3)
+    with pytest.raises(ConfigError, match="tp_size 2 does not divide n_head 3"):
+        load_backend("deepspeed", hf_dir, tp_size=2)
+
+
+NO_LOCAL_SIZE_SCRIPT = r"""
+import sys
+import torch.distributed as dist
+from plugins.backend import ConfigError
+from plugins.deepspeed_backend import DeepSpeedBackend
+dist.init_process_group("gloo")
+try:
+    DeepSpeedBackend.from_hf(sys.argv[1], tp_size=2, device="cpu")
+    print("NO ERROR", flush=True)
+except ConfigError as e:
+    print(f"RANK {dist.get_rank()} ConfigError: {e}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_plain_torchrun_without_local_size_is_a_clear_error(ckpt_factory, tmp_path):
+    """Two real ranks started without LOCAL_SIZE: refused before DeepSpeed runs (it would segfault)."""
+    script = tmp_path / "no_local_size.py"
+    script.write_text(NO_LOCAL_SIZE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_SIZE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(ckpt_factory("tiny"))], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"RANK {rank} ConfigError: DeepSpeed TP on CPU needs LOCAL_SIZE" in proc.stdout
+    assert "LOCAL_SIZE=2 torchrun --nproc_per_node 2" in proc.stdout and "NO ERROR" not in proc.stdout
+
+
+def test_upstream_autotp_grain_is_the_kv_head_count_and_bigcode_split_assumes_mqa():
+    """What injection.autotp works around; fails if upstream changes these."""
+    import inspect
+
+    from deepspeed.module_inject import fusedqkv_utils
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    from injection import compat
+
+    # MQA's one KV head as the grain: every query row / c_proj input column goes to rank 0
+    assert get_shard_size_list(256, 2, AutoTPMeta(num_kv_heads=1), name="attn.c_proj") == [256, 0]
+    assert get_shard_size_list(256, 2, AutoTPMeta(num_kv_heads=4), name="attn.c_proj") == [128, 128]
+    assert fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] == "bigcodetype"
+    assert "q = input[:n_embd]" in inspect.getsource(fusedqkv_utils.prepare_tp_fused_qkvw)
+    with compat.mha_bigcode_qkv_as_bloom(True):
+        assert fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] == "bloomtype"
+    assert fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] == "bigcodetype"
+
+
+def test_injected_qkv_shard_rule():
+    from injection.tp import qkv_rows
+
+    # MQA, 4 heads of 16, tp 2: rank 1 holds heads 2-3 and the one K/V head
+    assert qkv_rows(64, 4, True, 1, 2).tolist() == list(range(32, 64)) + list(range(64, 96))
+    # MHA: per-head [q, k, v] rows, heads 2-3 -> rows 96..191
+    assert qkv_rows(64, 4, False, 1, 2).tolist() == list(range(96, 192))
+    with pytest.raises(ValueError, match="does not divide n_head"):
+        qkv_rows(64, 4, True, 0, 3)
