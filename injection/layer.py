@@ -8,6 +8,9 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
 - linear layers: bf16 weights are packed once for oneDNN (`mkldnn._linear_pointwise`, GELU
   fused into the first MLP GEMM), ~2x the bandwidth of `F.linear` for a decode GEMV here;
   fp32 uses `F.linear` (bit-for-bit the GEMM HF uses).
+- int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
+  convention (an int8 weight tensor carrying `.scale`), computed by torch's
+  `aten._weight_int8pack_mm` (plugins.quant) on CPU and CUDA.
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
   into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V).
 
@@ -20,10 +23,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.model_implementations.transformers.ds_transformer import DeepSpeedTransformerInference
 from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp, SoftmaxContextOp, VectorMatMulOp
+
+from plugins.quant import int8_linear, quantize_per_channel
 
 from . import compat
 from .cache import layer_cache
@@ -46,12 +52,20 @@ class PackedWeights:
         return entry[1]
 
 
+_ONEDNN = torch.backends.mkldnn.is_available()  # read once: torch.compile cannot trace this call
+
+
 def _use_onednn(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    # under torch.compile, plain F.linear: inductor (freezing) packs the weights itself
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _ONEDNN and not torch.compiler.is_compiling()
 
 
 def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
-    """x @ weight (+ bias) (then tanh GELU), weight stored [in, out] as DeepSpeed keeps it."""
+    """x @ weight (+ bias) (then tanh GELU), weight stored [in, out] as DeepSpeed keeps it; an int8
+    weight (from `quantize_int8`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants."""
+    if weight.dtype == torch.int8:
+        out = int8_linear(x, weight, weight.scale, bias)
+        return F.gelu(out, approximate="tanh") if gelu else out
     if _use_onednn(x):
         return torch.ops.mkldnn._linear_pointwise(x, packs.get(weight), bias,
                                                   "gelu" if gelu else "none", [], "tanh" if gelu else "")
@@ -154,6 +168,22 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self.kv_heads = kv_heads        # per rank: 1 for MQA (replicated), heads / tp for MHA
         self.kv_capacity = min(config.max_out_tokens, max_positions)
         self.scale = scale
+
+    def quantize_int8(self) -> None:
+        """int8 weight-only, per-output-channel symmetric scales, for the four linears (in place).
+
+        The bf16/fp32 weights are dropped; biases, layer norms and activations keep their dtype."""
+        attn, mlp = self.attention, self.mlp
+        for owner, name in ((attn, "attn_qkvw"), (attn, "attn_ow"), (mlp, "inter_w"), (mlp, "output_w")):
+            weight = getattr(owner, name)
+            q, scales = quantize_per_channel(weight.t())  # [in, out] -> int8 [out, in]
+            param = nn.Parameter(q, requires_grad=False)
+            param.scale = scales.to(weight.dtype)  # DeepSpeed's op bindings read `weight.scale` as q_scale
+            setattr(owner, name, param)
+        # DeepSpeed's compiled kernels (CUDA) expect their own int8 format: route these linears to our fallbacks.
+        attn.qkv_func.qkv_gemm_func = attn.qkv_func.qkv_gemm_fallback
+        attn.vector_matmul_func.vector_matmul_func = attn.vector_matmul_func.vector_matmul_fallback
+        mlp.mlp_gemm_func.mlp_gemm_func = mlp.mlp_gemm_func.mlp_gemm_fallback
 
     def forward(self, hidden_states=None, encoder_hidden_states=None, layer_past=None, attention_mask=None,
                 use_cache=False, **kwargs):

@@ -23,6 +23,7 @@ class GenerationResult:
     prefill_s: float                      # prompt forward + first token
     step_s: list[float] = field(default_factory=list)  # one entry per further token
     kv_cache_bytes: int = 0               # bytes held by the KV cache tensors (measured, per rank)
+    stats: dict = field(default_factory=dict)  # engine-specific figures, e.g. speculative acceptance_rate
 
     @property
     def new_tokens(self) -> int:

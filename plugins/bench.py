@@ -425,6 +425,7 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
         "peak_mem_bytes": peak,
         "kv_layout": layout,
         "kv_bytes": int(runs[-1].kv_cache_bytes),
+        "stats": getattr(runs[-1], "stats", None) or None,  # [speed] e.g. speculative acceptance_rate
         "kv_bytes_theory": kv_theory,
         "token_agreement_pct": agreement,
         "max_logit_diff": max_diff,

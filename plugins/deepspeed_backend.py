@@ -3,7 +3,13 @@
 The HF model is loaded, `injection.register()` plugs the policy in, and
 `deepspeed.init_inference(..., replace_with_kernel_inject=True)` replaces every GPTBigCodeBlock.
 The injected model is still an HF causal LM, so `HFDecoder` drives it, on a `SingleHeadCache`
-sized exactly for what is cached: prompt + new tokens - 1.
+sized exactly for what is cached: prompt + new tokens - 1. Decode steps skip HF's model forward
+(`InjectedDecoder`: embeddings -> injected layers -> ln_f -> packed lm_head).
+
+Speed options (tp_size 1): `quantize="int8"` (int8 weight-only layer linears; `quantize_lm_head=True`
+adds the LM head), `compile=True` (torch.compile of the decode step, eager if that fails),
+`speculative={"k": 4, "draft": "int8" | <HF dir>}` (exact greedy speculative decoding; "int8" drafts
+with the target's own layers in int8).
 
 tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.launcher,
 torchrun or `deepspeed --num_accelerators N`) and returns a RemoteBackend; inside a rank (torch
@@ -12,22 +18,31 @@ distributed initialised with world size N), it injects with `tensor_parallel={"t
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from injection import kv_shard
 
 from .backend import ConfigError, GenerationResult, check_inputs, check_load, position_ids, resolve_dtype
 from .checkpoint import load_hf_model, read_hf_config
 from .generation import Sampler, generate
 from .hf import HFDecoder
+from .quant import Int8Linear
+from .speculative import speculative_generate
 
 
 class DeepSpeedBackend:
     name = "deepspeed"
+    fast_decode = True  # decode steps through InjectedDecoder (the injected layers, no HF model forward)
 
-    def __init__(self, engine, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1):
+    def __init__(self, engine, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1, kv_layout: str = "head"):
         self.engine = engine
+        self.kv_layout = kv_layout  # [kv-shard] "head": MQA KV replicated per rank; "batch": injection.kv_shard
         self.model = engine.module
         self.config = self.model.config
         self.dtype = dtype
@@ -36,24 +51,32 @@ class DeepSpeedBackend:
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None,
-                max_out_tokens: int | None = None, launcher: str = "torchrun"):
+                max_out_tokens: int | None = None, launcher: str = "torchrun", kv_layout: str = "head",
+                quantize: str | None = None, quantize_lm_head: bool = False, compile: bool = False,
+                speculative: dict | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
         config = read_hf_config(hf_dir)
         check_load(config, tp_size)  # before any rank starts or reads weights
+        speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
+        kv_shard.check_kv_layout(kv_layout, config.multi_query, tp_size)  # [kv-shard]
         dist = torch.distributed
         if tp_size > 1 and not (dist.is_initialized() and dist.get_world_size() == tp_size):  # not in a rank
             from .launcher import RemoteBackend
 
             return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=tp_size, launcher=launcher,
-                                 max_out_tokens=max_out_tokens)
+                                 max_out_tokens=max_out_tokens, kv_layout=kv_layout)
         if tp_size > 1 and device == "cpu" and "LOCAL_SIZE" not in os.environ:
             raise ConfigError("DeepSpeed TP on CPU needs LOCAL_SIZE (ranks on this machine): launch with "
                               f"`LOCAL_SIZE={tp_size} torchrun --nproc_per_node {tp_size} ...` or "
                               f"`deepspeed --num_accelerators {tp_size} ...`; without it DeepSpeed's "
                               "shared-memory all-reduce segfaults")
         engine = cls._engine(load_hf_model(hf_dir, resolved), resolved, tp_size, max_out_tokens or config.n_positions)
-        return cls(engine, resolved, device, tp_size)
+        if kv_layout == "batch":  # [kv-shard]
+            kv_shard.shard_kv_by_batch(engine.module)
+        backend = cls(engine, resolved, device, tp_size, kv_layout)
+        backend.set_speed_options(quantize, quantize_lm_head, compile, speculative)
+        return backend
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):
@@ -96,13 +119,19 @@ class DeepSpeedBackend:
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
         from injection import SingleHeadCache
 
+        if self.kv_layout == "batch":  # [kv-shard] each rank caches its ceil(B / tp) sequences
+            batch = kv_shard.rank_batch(batch, self.tp_size)
         cache = SingleHeadCache(self.config, max_length, batch=batch, dtype=self.dtype, device=self.device,
                                 tp_size=self.tp_size)
-        return HFDecoder(self.model, cache)
+        if not self.fast_decode or self.tp_size > 1 or self.kv_layout == "batch":  # [speed] fast step: TP 1 only
+            return HFDecoder(self.model, cache)
+        return InjectedDecoder(self.model, cache, getattr(self, "compile", False))
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:
         input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        if getattr(self, "draft", None) is not None and max_new_tokens > 1:
+            return self._speculative(input_ids, attention_mask, max_new_tokens, do_sample)
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
         # the last new token is sampled, never fed back: T + N - 1 tokens are ever cached
         decoder = self.decoder(input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens - 1, 0))
@@ -113,11 +142,159 @@ class DeepSpeedBackend:
     def close(self) -> None:
         pass
 
+    # --- [speed] options ------------------------------------------------------------------------
+
+    def set_speed_options(self, quantize=None, quantize_lm_head=False, compile=False, speculative=None) -> None:
+        """Apply checked options (see `check_speed_options`) to this freshly loaded backend."""
+        self.compile = compile
+        self.draft = self.speculative_k = None
+        if speculative is not None:  # the draft copies the weights before anything is packed or quantized
+            self.speculative_k = speculative["k"]
+            if speculative["draft"] == "int8":
+                self.draft = self._int8_copy()
+            else:
+                self.draft = DeepSpeedBackend.from_hf(speculative["draft"], dtype=self.dtype, device=self.device,
+                                                      compile=compile)
+        if quantize == "int8":
+            quantize_model(self.model, quantize_lm_head)
+
+    def _int8_copy(self) -> "DeepSpeedBackend":
+        """This backend with its layer linears in int8; every other tensor is shared, not copied."""
+        shared = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        draft = copy.copy(self)
+        draft.model = copy.deepcopy(self.model, memo=shared)
+        draft.draft = None
+        quantize_model(draft.model, lm_head=False)
+        return draft
+
+    def _speculative(self, input_ids, attention_mask, max_new_tokens, do_sample) -> GenerationResult:
+        if do_sample:
+            raise ConfigError("speculative decoding here is greedy only: use do_sample=False, "
+                              "or load the backend without `speculative`")
+        k = self.speculative_k
+        # drafted tokens run up to k columns past the last kept one
+        length = input_ids.shape[1] + max_new_tokens + k
+        target = self.decoder(input_ids.shape[0], length)
+        draft = self.draft.decoder(input_ids.shape[0], length)
+        result, stats = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens, k=k)
+        result.tokens = result.tokens.cpu()
+        result.stats = {"k": k, "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate,
+                        "tokens_per_round": stats.tokens_per_round}
+        return result
+
+
+def check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative) -> dict | None:
+    """Validate the [speed] options before any weights are read; returns `speculative` with defaults."""
+    if quantize not in (None, "int8"):
+        raise ConfigError(f"quantize must be None or 'int8', got {quantize!r}")
+    if quantize_lm_head and quantize is None:
+        raise ConfigError("quantize_lm_head needs quantize='int8'")
+    if tp_size > 1 and (quantize or compile or speculative):
+        raise ConfigError("quantize, compile and speculative are options of tp_size 1")
+    if speculative is None:
+        return None
+    if not isinstance(speculative, dict) or set(speculative) - {"k", "draft"}:
+        raise ConfigError(f"speculative must be a mapping with keys k and draft, got {speculative!r}")
+    spec = {"k": 4, "draft": "int8", **speculative}
+    if isinstance(spec["k"], bool) or not isinstance(spec["k"], int) or spec["k"] < 1:
+        raise ConfigError(f"speculative k must be a positive integer, got {spec['k']!r}")
+    if spec["draft"] != "int8":
+        draft = read_hf_config(spec["draft"])  # a checkpoint dir: its own clear error if it is not one
+        if draft.vocab_size != config.vocab_size:
+            raise ConfigError(f"draft vocab_size {draft.vocab_size} != target vocab_size {config.vocab_size}")
+    return spec
+
+
+def quantize_model(model, lm_head: bool = False) -> None:
+    """int8 weight-only linears in every injected layer (and the LM head, untied from wte, if asked)."""
+    for block in model.transformer.h:
+        block.quantize_int8()
+    if lm_head:
+        model.lm_head = Int8Linear(model.lm_head)
+
+
+class InjectedDecoder(HFDecoder):
+    """`HFDecoder` whose one-token steps skip HF's model forward (its mask building and checks):
+    embeddings -> the injected layers on the preallocated cache -> ln_f -> LM head (oneDNN-packed
+    for bf16 on CPU, like the layers). A padded batch's 4-D mask is a preallocated boolean row,
+    written in place each step; an unpadded batch needs none. Prefill and multi-token verification
+    (`forward_tokens`, n > 1) run through HF's forward.
+    """
+
+    def __init__(self, model, cache, compile: bool = False):
+        from injection.layer import PackedWeights
+
+        super().__init__(model, cache)
+        layer = cache.layers[0]
+        batch = layer.keys.shape[0] if layer.is_initialized else 1
+        self.keep = torch.ones(batch, 1, 1, layer.capacity, dtype=torch.bool, device=model.device)
+        self.padded = False
+        self.packs = PackedWeights()
+        head = model.lm_head
+        # a view kept alive, so the packed copy is made once (PackedWeights keys on the tensor)
+        self.head_weight = head.weight.t() if type(head) is nn.Linear else None
+        self.step = compiled(self._step, cache) if compile else self._step
+
+    def _step(self, tokens, position_ids, mask):
+        from injection.layer import linear
+
+        t = self.model.transformer
+        h = t.wte(tokens) + t.wpe(position_ids)
+        for block in t.h:
+            h = block(h, None, layer_past=self.cache, attention_mask=mask)
+        h = t.ln_f(h)
+        if self.head_weight is None:
+            return self.model.lm_head(h)
+        return linear(h, self.head_weight, None, self.packs)
+
+    def prefill(self, input_ids, attention_mask, position_ids):
+        self.padded = not bool(attention_mask.all())
+        return super().prefill(input_ids, attention_mask, position_ids)
+
+    def decode(self, tokens, attention_mask, position_ids):
+        mask = None
+        if self.padded:
+            mask = self.keep[:, :, :, :attention_mask.shape[1]]
+            mask.copy_(attention_mask[:, None, None, :])
+        return self.step(tokens, position_ids, mask)[:, -1]
+
+    def forward_tokens(self, tokens, attention_mask, position_ids):
+        if tokens.shape[1] == 1:
+            return self.decode(tokens, attention_mask, position_ids)[:, None]
+        return super().forward_tokens(tokens, attention_mask, position_ids)
+
+
+def compiled(step, cache):
+    """torch.compile(step), falling back to eager (with a warning) where compiling is unavailable or fails."""
+    try:
+        # freezing: weights become constants that inductor prepacks for oneDNN (CPU)
+        fast = torch.compile(step, dynamic=True, options={"freezing": True})
+    except Exception as exc:  # e.g. no compiler toolchain, unsupported Python
+        warnings.warn(f"torch.compile unavailable ({type(exc).__name__}: {exc}); decoding eagerly")
+        return step
+    state = {"fn": fast}
+
+    def run(*args):
+        length = cache.get_seq_length()
+        try:
+            return state["fn"](*args)
+        except Exception as exc:
+            if state["fn"] is step:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
+                          "decoding eagerly from now on")
+            cache.crop(length)  # undo what a partly run compiled step wrote
+            state["fn"] = step
+            return step(*args)
+
+    return run
+
 
 class AutoTPBackend(DeepSpeedBackend):
     """DeepSpeed AutoTP (no kernel injection) with balanced MQA shards: injection.autotp."""
 
     name = "deepspeed-autotp"
+    fast_decode = False  # HF's own blocks: HF's forward
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):

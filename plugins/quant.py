@@ -19,11 +19,16 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), scales
 
 
+DEQUANT_ROWS = 128
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with an int8 weight. `scales` must already be in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.dtype not in (torch.float32, torch.bfloat16):  # the packed kernel takes fp32 / bf16 activations
+    # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows (measured here:
+    # ~linear in M, as slow as dequantize + GEMM at ~128 rows): a prefill dequantizes once instead.
+    if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS:
         out = F.linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
