@@ -49,6 +49,17 @@ class Backend(Protocol):
         """Release what the backend holds (worker processes for TP > 1)."""
 
 
+class LocalBackend:
+    """What every in-process backend shares: inputs checked before any compute, then moved to its device."""
+
+    config: GPTBigCodeConfig
+    device: str
+
+    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
+        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+
 # name -> "module:class"; imported lazily so a missing optional library only affects its backend.
 BACKENDS = {
     "hf": "plugins.hf:HFBackend",

@@ -28,15 +28,15 @@ from torch import nn
 
 from injection import kv_shard
 
-from .backend import ConfigError, GenerationResult, check_inputs, check_load, position_ids, resolve_dtype
+from .backend import ConfigError, GenerationResult, LocalBackend, check_load, resolve_dtype
 from .checkpoint import load_hf_model, read_hf_config
 from .generation import Sampler, generate
-from .hf import HFDecoder
+from .hf import HFBackend, HFDecoder
 from .quant import Int8Linear
 from .speculative import speculative_generate
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(LocalBackend):
     name = "deepspeed"
     fast_decode = True  # decode steps through InjectedDecoder (the injected layers, no HF model forward)
 
@@ -105,16 +105,7 @@ class DeepSpeedBackend:
         torch.distributed.all_gather_object(out, info)
         return out
 
-    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
-        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
-        return input_ids.to(self.device), attention_mask.to(self.device)
-
-    @torch.inference_mode()
-    def logits(self, input_ids, attention_mask):
-        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids(attention_mask), use_cache=False)
-        return out.logits.float().cpu()
+    logits = HFBackend.logits  # the injected model is still an HF model: same call
 
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
         from injection import SingleHeadCache

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, GPTBigCodeForCausalLM
 
-from .backend import GenerationResult, check_inputs, check_load, position_ids, resolve_dtype, tensor_bytes
+from .backend import GenerationResult, LocalBackend, check_load, position_ids, resolve_dtype, tensor_bytes
 from .checkpoint import load_hf_model, read_hf_config
 from .generation import Sampler, generate
 
@@ -44,7 +44,7 @@ class HFDecoder:
         return tensor_bytes(t for layer in layers for t in (layer.keys, layer.values) if t is not None)
 
 
-class HFBackend:
+class HFBackend(LocalBackend):
     name = "hf"
 
     def __init__(self, model: GPTBigCodeForCausalLM, dtype: torch.dtype, device: str = "cpu"):
@@ -60,10 +60,6 @@ class HFBackend:
         dtype = resolve_dtype(dtype, device)
         check_load(read_hf_config(hf_dir), tp_size, max_tp=1)
         return cls(load_hf_model(hf_dir, dtype).to(device), dtype, device)
-
-    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
-        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
-        return input_ids.to(self.device), attention_mask.to(self.device)
 
     @torch.inference_mode()
     def logits(self, input_ids, attention_mask):

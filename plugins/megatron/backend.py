@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from plugins.backend import GenerationResult, check_inputs, position_ids, resolve_dtype
+from plugins.backend import GenerationResult, LocalBackend, position_ids, resolve_dtype
 from plugins.checkpoint import read_hf_config
 from plugins.config import ConfigError
 from plugins.generation import Sampler, generate
@@ -49,7 +49,7 @@ def _remote(method: str, path, dtype, tp_size: int, **options):
     return RemoteBackend("megatron", path, dtype=dtype, tp_size=tp_size, method=method, **options)
 
 
-class MegatronGPT:
+class MegatronGPT(LocalBackend):
     name = "megatron"
 
     def __init__(self, model, config, dtype: torch.dtype, tp_size: int):
@@ -104,10 +104,6 @@ class MegatronGPT:
     @staticmethod
     def _device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
-        check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
-        return input_ids.to(self.device), attention_mask.to(self.device)
 
     @torch.inference_mode()
     def logits(self, input_ids, attention_mask):
