@@ -27,12 +27,11 @@ from pathlib import Path
 
 import psutil
 import torch
-import yaml
 
 from . import roofline
 from .backend import BACKENDS, backend_class, check_tp, load_backend, resolve_dtype
 from .checkpoint import ensure_checkpoint
-from .config import CONFIGS_DIR, REPO_ROOT, ConfigError, load_model_config
+from .config import CONFIGS_DIR, REPO_ROOT, ConfigError, load_model_config, read_yaml
 from .roofline import Shape
 from .tokenizer import load_tokenizer, make_batch
 
@@ -203,11 +202,7 @@ def load_bench_config(name_or_path: str | Path) -> BenchConfig:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in BENCH_DIR.glob("*.yaml")))
         raise ConfigError(f"unknown bench config {str(name_or_path)!r}; known: {known}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-    return parse_bench_config(raw or {}, name=path.stem)
+    return parse_bench_config(read_yaml(path), name=path.stem)
 
 
 # --- the machine --------------------------------------------------------------------------------

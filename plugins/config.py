@@ -69,6 +69,17 @@ class ModelSpec:
 _SPEC_KEYS = {f.name for f in fields(ModelSpec)}
 
 
+def read_yaml(path: Path) -> dict:
+    """A YAML file that must hold a mapping (empty file: {}); anything else is one ConfigError."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values")
+    return raw
+
+
 def model_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
 
@@ -80,9 +91,7 @@ def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
         path = MODELS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown model config {str(name_or_path)!r}; known: {', '.join(model_names())}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys to values")
+    raw = read_yaml(path)
     raw.update(overrides)
     unknown = sorted(set(raw) - _SPEC_KEYS)
     if unknown:

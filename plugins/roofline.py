@@ -30,9 +30,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
 
-from .config import CONFIGS_DIR, ConfigError, head_dim, kv_heads, load_model_config
+from .config import CONFIGS_DIR, ConfigError, head_dim, kv_heads, load_model_config, read_yaml
 
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
 KV_LAYOUTS = ("head", "batch")
@@ -71,9 +70,7 @@ def read_hardware_spec(name: str) -> dict:
     path = HARDWARE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path.name}: expected a mapping")
+    raw = read_yaml(path)
     unknown = sorted(set(raw) - _HW_KEYS)
     missing = sorted(_HW_KEYS - {"note"} - set(raw))
     if unknown or missing:

@@ -37,6 +37,16 @@ def test_unknown_config_key_is_an_error(tmp_path):
         load_spec(bad)
 
 
+def test_invalid_yaml_is_one_config_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_layer: [2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_spec(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_spec(bad)
+
+
 def test_unknown_model_name_is_an_error():
     with pytest.raises(ConfigError, match="unknown model config 'nope'"):
         load_model_config("nope")
