@@ -35,6 +35,7 @@ def init_autotp(model, tp_size: int, dtype: torch.dtype = torch.float32, **kwarg
     import deepspeed
 
     check_tp(model.config.n_head, tp_size)
+    compat.patch_comm()
     with _head_grain(model.config):
         engine = deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=False,
                                           tensor_parallel={"tp_size": tp_size}, **kwargs)

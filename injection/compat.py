@@ -7,10 +7,14 @@ are kept in `UPSTREAM` (tests call them to show the upstream behaviour is still 
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
+
+import torch
 
 import deepspeed.module_inject.replace_module as ds_replace_module
 from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.torch import TorchBackend
 from deepspeed.module_inject import fusedqkv_utils
 from deepspeed.module_inject.containers.opt import HFOPTLayerPolicy
 from deepspeed.module_inject.policy import TransformerPolicy
@@ -20,6 +24,7 @@ from deepspeed.ops.transformer.inference.op_binding.base import BaseOp
 UPSTREAM = {
     "replace_module.policy_to_ds_container": ds_replace_module.policy_to_ds_container,
     "HFOPTLayerPolicy.__init__": HFOPTLayerPolicy.__init__,
+    "TorchBackend.__init__": TorchBackend.__init__,
 }
 _containers = {}  # our policy class -> our container class
 
@@ -57,6 +62,7 @@ def apply(policy_cls, container_cls) -> None:
         replace_policies.append(policy_cls)  # the list replace_module() iterates
     ds_replace_module.policy_to_ds_container = _policy_to_ds_container
     HFOPTLayerPolicy.__init__ = _opt_policy_init
+    patch_comm()
 
 
 class _NoKernels:
@@ -100,3 +106,30 @@ def mha_bigcode_qkv_as_bloom(enabled: bool):
         yield
     finally:
         fusedqkv_utils.FUSED_QKV_TYPE_DICT["GPTBigCodeBlock"] = saved
+
+
+# 5. deepspeed/comm/torch.py: TorchBackend.__init__ -> ops/csrc/cpu/comm/shm.cpp: shm_initialize
+#    With all ranks on one machine (LOCAL_SIZE == world size), each rank creates a POSIX
+#    shared-memory segment for the CPU all-reduce (67 MB, /dev/shm/<shm_segment(rank)>) and never
+#    unlinks it: every TP run leaves 67 MB per rank in /dev/shm (RAM) until reboot. Once every rank
+#    has mapped every segment (a barrier after upstream's init), each rank unlinks its own name;
+#    the mappings stay valid and the memory is freed when the last rank exits.
+def shm_segment(rank: int) -> str:
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def _torch_backend_init(self, *args, **kwargs):
+    UPSTREAM["TorchBackend.__init__"](self, *args, **kwargs)
+    world = self.get_world_size()
+    if self.shm_comm_op is not None and world == int(os.environ.get("LOCAL_SIZE", 0) or 0):
+        torch.distributed.barrier()
+        try:
+            os.unlink(os.path.join("/dev/shm", shm_segment(self.get_rank())))
+        except FileNotFoundError:  # initialised earlier in this process (upstream makes it once)
+            pass
+
+
+def patch_comm() -> None:
+    """Patch 5 alone (AutoTP needs it without our injection policy); idempotent."""
+    TorchBackend.__init__ = _torch_backend_init

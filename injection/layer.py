@@ -5,9 +5,11 @@ when one exists and their pure-torch `*_fallback` otherwise. On CPU there is no 
 inference op, so the fallbacks are the kernels; we subclass the bindings and supply fallbacks
 that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) and fast:
 
-- linear layers: bf16 weights are packed once for oneDNN (`mkldnn._linear_pointwise`, GELU
-  fused into the first MLP GEMM), ~2x the bandwidth of `F.linear` for a decode GEMV here;
-  fp32 uses `F.linear` (bit-for-bit the GEMM HF uses).
+- linear layers: on CPU the weights are stored [out, in] (nn.Linear's layout) under DeepSpeed's
+  [in, out] parameter names. A one-row bf16 input (a decode step at batch 1) runs our AVX512-BF16
+  kernel (`injection.kernels`, one streaming pass over the weight); more rows use oneDNN-packed
+  copies (`mkldnn._linear_pointwise`), GELU fused into the first MLP GEMM either way. Both read
+  weights ~1.5-2x faster than `F.linear` here. fp32 uses `F.linear` (bit-for-bit HF's GEMM).
 - int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
   convention (an int8 weight tensor carrying `.scale`), computed by torch's
   `aten._weight_int8pack_mm` (plugins.quant) on CPU and CUDA.
@@ -31,7 +33,7 @@ from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp,
 
 from plugins.quant import int8_linear, quantize_per_channel
 
-from . import compat
+from . import compat, kernels
 from .cache import layer_cache
 
 
@@ -45,11 +47,15 @@ class PackedWeights:
         key = id(weight)
         entry = self.packed.get(key)
         if entry is None or entry[0] is not weight:
-            # DeepSpeed stores weights [in, out] (transposed_mode=False); oneDNN wants [out, in].
             # Packed for decode (batch hint 1): measured the fastest here for 1 to 16 rows.
-            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous(), 1))
+            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(row_major(weight), 1))
             self.packed[key] = entry
         return entry[1]
+
+
+def row_major(weight: torch.Tensor) -> torch.Tensor:
+    """weight [in, out] as DeepSpeed names it -> [out, in] contiguous (a view when stored so)."""
+    return weight.t().contiguous()
 
 
 _ONEDNN = torch.backends.mkldnn.is_available()  # read once: torch.compile cannot trace this call
@@ -67,6 +73,10 @@ def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
         out = int8_linear(x, weight, weight.scale, bias)
         return F.gelu(out, approximate="tanh") if gelu else out
     if _use_onednn(x):
+        kernel = kernels.decode_linear()
+        if kernel is not None and x.numel() == x.shape[-1]:  # one row
+            out = kernel.linear(x.reshape(1, -1).contiguous(), row_major(weight), bias, gelu)
+            return out.view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, packs.get(weight), bias,
                                                   "gelu" if gelu else "none", [], "tanh" if gelu else "")
     out = F.linear(x, weight.t(), bias)
@@ -168,13 +178,31 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self.kv_heads = kv_heads        # per rank: 1 for MQA (replicated), heads / tp for MHA
         self.kv_capacity = min(config.max_out_tokens, max_positions)
         self.scale = scale
+        self.weights_row_major = False
+        if compat.on_cpu():
+            kernels.decode_linear()  # built (once per machine) now, not inside the first decode step
+
+    def _linear_weights(self):
+        attn, mlp = self.attention, self.mlp
+        return ((attn, "attn_qkvw"), (attn, "attn_ow"), (mlp, "inter_w"), (mlp, "output_w"))
+
+    def store_row_major(self) -> None:
+        """CPU: keep each linear weight [in, out] as DeepSpeed names it, stored [out, in] (so `.t()` is
+        contiguous for our kernel and oneDNN's packing, without a second copy). DeepSpeed's CUDA kernels
+        read the [in, out] storage, so this is CPU only. Runs once, at the first forward (after
+        DeepSpeed has copied the weights in)."""
+        for owner, name in self._linear_weights():
+            param = getattr(owner, name)
+            if param.dtype != torch.int8 and not param.t().is_contiguous():
+                param.data = param.data.t().contiguous().t()
+        self.weights_row_major = True
 
     def quantize_int8(self) -> None:
         """int8 weight-only, per-output-channel symmetric scales, for the four linears (in place).
 
         The bf16/fp32 weights are dropped; biases, layer norms and activations keep their dtype."""
         attn, mlp = self.attention, self.mlp
-        for owner, name in ((attn, "attn_qkvw"), (attn, "attn_ow"), (mlp, "inter_w"), (mlp, "output_w")):
+        for owner, name in self._linear_weights():
             weight = getattr(owner, name)
             q, scales = quantize_per_channel(weight.t())  # [in, out] -> int8 [out, in]
             param = nn.Parameter(q, requires_grad=False)
@@ -189,6 +217,8 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
                 use_cache=False, **kwargs):
         if encoder_hidden_states is not None:
             raise NotImplementedError("gpt_bigcode cross-attention is not supported by the injected layer")
+        if not self.weights_row_major and hidden_states.device.type == "cpu":
+            self.store_row_major()
         kv = layer_cache(layer_past, self.layer_idx, self.kv_capacity)
         input_dtype = hidden_states.dtype
         x = hidden_states.to(self.config.dtype)

@@ -220,10 +220,14 @@ class InjectedDecoder(HFDecoder):
         batch = layer.keys.shape[0] if layer.is_initialized else 1
         self.keep = torch.ones(batch, 1, 1, layer.capacity, dtype=torch.bool, device=model.device)
         self.padded = False
-        self.packs = PackedWeights()
         head = model.lm_head
-        # a view kept alive, so the packed copy is made once (PackedWeights keys on the tensor)
-        self.head_weight = head.weight.t() if type(head) is nn.Linear else None
+        self.head_weight = None  # an int8 head (quantize_lm_head) runs as its own module
+        if type(head) is nn.Linear:
+            # [in, out] view, as the layers' weights are named; view and oneDNN packing are made
+            # once per model, not per generate() call (packing the 200 MB head takes ~0.1 s)
+            if not hasattr(head, "decode_weight"):
+                head.decode_weight, head.decode_packs = head.weight.t(), PackedWeights()
+            self.head_weight, self.packs = head.decode_weight, head.decode_packs
         self.step = compiled(self._step, cache) if compile else self._step
 
     def _step(self, tokens, position_ids, mask):

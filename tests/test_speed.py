@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from injection.kernels import decode_linear
 from plugins.checkpoint import init_model
 from plugins.config import load_model_config
 from plugins.generation import Sampler, generate
@@ -188,3 +189,63 @@ def test_deepspeed_compile_option_gives_the_same_tokens(ckpt_factory, padded_bat
     plain = load_backend("deepspeed", path).generate(ids, mask, 6)
     res = load_backend("deepspeed", path, compile=True).generate(ids, mask, 6)
     assert torch.equal(res.tokens, plain.tokens)
+
+
+# --- the bf16 decode linear (injection/csrc/decode_linear.cpp) ------------------------------------
+
+needs_kernel = pytest.mark.skipif(decode_linear() is None, reason="CPU without AVX512-BF16 (kernel not built)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 96), (6, 40, 33)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_decode_linear_matches_fp32_reference(rows, out_features, in_features, gelu):
+    """Any M, N (not a multiple of 4 rows) and K (not a multiple of 32): fp32 accumulation, one rounding."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    ref = nn.functional.linear(x.float(), w.float(), bias.float())
+    if gelu:
+        ref = nn.functional.gelu(ref, approximate="tanh")
+    out = decode_linear().linear(x, w, bias, gelu)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # bf16 rounding of the result (2^-8 relative) plus fp32 summation error
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
+
+
+@needs_kernel
+def test_decode_linear_rows_are_independent_of_the_batch():
+    """Each output row is computed by the same instructions in the same order whatever M is."""
+    x, w = torch.randn(7, 256).bfloat16(), torch.randn(52, 256).bfloat16()
+    whole = decode_linear().linear(x, w, None, True)
+    for i in range(7):
+        assert torch.equal(decode_linear().linear(x[i:i + 1].contiguous(), w, None, True), whole[i:i + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
+def test_bf16_one_row_decode_steps_match_fp32_hf(name, ckpt_factory, tokenizer):
+    """Batch 1 in bf16: every decode step runs the kernel (weights stored [out, in], no extra copy);
+    its logits stay within the bf16 tolerance of HF's fp32 forward."""
+    path = ckpt_factory(name)
+    ds = load_backend("deepspeed", path, dtype="bfloat16")
+    hf = load_backend("hf", path)
+    from plugins.tokenizer import prompt_token_ids
+
+    ids = torch.tensor([prompt_token_ids(tokenizer, 9, 0)])
+    mask = torch.ones_like(ids)
+    dec = ds.decoder(1, ids.shape[1] + 3)
+    pos = position_ids(mask)
+    dec.prefill(ids, mask, pos)
+    layer = ds.model.transformer.h[0]
+    for owner, attr in INT8_WEIGHTS:  # the four linear weights, [in, out] views of [out, in] storage
+        assert getattr(getattr(layer, owner), attr).t().is_contiguous()
+    nxt = torch.tensor([[5], [7], [11]])
+    steps = []
+    for i in range(3):
+        full = torch.ones(1, ids.shape[1] + i + 1, dtype=mask.dtype)
+        steps.append(dec.decode(nxt[i:i + 1], full, pos[:, -1:] + 1 + i).float())
+    want = hf.logits(torch.cat([ids, nxt.t()], 1), torch.ones(1, ids.shape[1] + 3, dtype=mask.dtype))[0, -3:]
+    err = (torch.cat(steps) - want).abs().max().item()
+    assert err <= 1e-2, err

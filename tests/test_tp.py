@@ -56,11 +56,13 @@ def test_tp2_balanced_shards_and_matches_hf(random_bias_dir, padded_batch, backe
     n, head_dim = cfg.n_embd, cfg.n_embd // cfg.n_head
     ref_qkv = hf.model.transformer.h[0].attn.c_attn.weight.detach().t()  # [in, out] as DeepSpeed stores it
     _, ids, mask = padded_batch
+    segments = shm_segments()
     with backend.from_hf(hf_dir, tp_size=TP, launcher=launcher) as ds:
         assert ds.tp_size == TP
         shards = ds.shard_info()
         logits = ds.logits(ids, mask)
         tokens = ds.generate(ids, mask, NEW_TOKENS).tokens
+    assert shm_segments() == segments  # DeepSpeed's all-reduce segments unlinked (compat patch 5)
     assert len(shards) == TP
     for rank, s in enumerate(shards):
         kv_width = 2 * head_dim if cfg.multi_query else 2 * n // TP
@@ -82,6 +84,42 @@ def test_heads_not_divisible_by_tp_fails_before_any_rank_starts(ckpt_factory):
     hf_dir = ckpt_factory("tiny", n_embd=96, n_head=3)
     with pytest.raises(ConfigError, match="tp_size 2 does not divide n_head 3"):
         load_backend("deepspeed", hf_dir, tp_size=2)
+
+
+def shm_segments() -> set:
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
+SHM_SCRIPT = r"""
+import sys
+import deepspeed
+import torch.distributed as dist
+from injection import compat
+if sys.argv[1] == "patched":
+    compat.patch_comm()
+deepspeed.init_distributed(dist_backend="gloo")
+with open(f"{sys.argv[2]}/segment{dist.get_rank()}", "w") as f:
+    f.write(compat.shm_segment(dist.get_rank()))
+dist.barrier()
+"""
+
+
+@pytest.mark.parametrize("mode", ["upstream", "patched"])
+def test_shm_allreduce_segments_are_not_left_in_dev_shm(tmp_path, mode):
+    """Upstream DeepSpeed leaves one 67 MB /dev/shm segment per rank after every TP run (if this
+    starts failing for 'upstream', DeepSpeed fixed it and compat patch 5 can go); ours leaves none."""
+    script = tmp_path / "shm.py"
+    script.write_text(SHM_SCRIPT)
+    env = {**os.environ, "LOCAL_SIZE": str(TP)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={TP}",
+                           str(script), mode, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [(tmp_path / f"segment{rank}").read_text() for rank in range(TP)]
+    left = [Path("/dev/shm", n) for n in names if Path("/dev/shm", n).exists()]
+    for path in left:
+        path.unlink()
+    assert len(left) == (TP if mode == "upstream" else 0)
 
 
 NO_LOCAL_SIZE_SCRIPT = r"""
