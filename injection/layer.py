@@ -7,7 +7,7 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
 
 - linear layers: on CPU the weights are stored [out, in] (nn.Linear's layout) under DeepSpeed's
   [in, out] parameter names. A one-row bf16 input (a decode step at batch 1) runs our AVX512-BF16
-  kernel (`injection.kernels`, one streaming pass over the weight); more rows use oneDNN-packed
+  kernel (`plugins.kernels`, one streaming pass over the weight); more rows use oneDNN-packed
   copies (`mkldnn._linear_pointwise`), GELU fused into the first MLP GEMM either way. Both read
   weights ~1.5-2x faster than `F.linear` here. fp32 uses `F.linear` (bit-for-bit HF's GEMM).
 - int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
@@ -31,9 +31,10 @@ from deepspeed.comm import pg_utils
 from deepspeed.model_implementations.transformers.ds_transformer import DeepSpeedTransformerInference
 from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp, SoftmaxContextOp, VectorMatMulOp
 
+from plugins import kernels
 from plugins.quant import int8_linear, quantize_per_channel
 
-from . import compat, kernels
+from . import compat
 from .cache import layer_cache
 
 
@@ -70,8 +71,7 @@ def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     """x @ weight (+ bias) (then tanh GELU), weight stored [in, out] as DeepSpeed keeps it; an int8
     weight (from `quantize_int8`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants."""
     if weight.dtype == torch.int8:
-        out = int8_linear(x, weight, weight.scale, bias)
-        return F.gelu(out, approximate="tanh") if gelu else out
+        return int8_linear(x, weight, weight.scale, bias, gelu)
     if _use_onednn(x):
         kernel = kernels.decode_linear()
         if kernel is not None and x.numel() == x.shape[-1]:  # one row

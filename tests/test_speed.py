@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from injection.kernels import decode_linear
+from plugins.kernels import decode_linear
 from plugins.checkpoint import init_model
 from plugins.config import load_model_config
 from plugins.generation import Sampler, generate
@@ -249,3 +249,34 @@ def test_bf16_one_row_decode_steps_match_fp32_hf(name, ckpt_factory, tokenizer):
     want = hf.logits(torch.cat([ids, nxt.t()], 1), torch.ones(1, ids.shape[1] + 3, dtype=mask.dtype))[0, -3:]
     err = (torch.cat(steps) - want).abs().max().item()
     assert err <= 1e-2, err
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 130)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_decode_linear_int8_matches_dequantized_reference(rows, out_features, in_features, gelu):
+    """int8 weights x activations held as 16-bit fixed point per row, exact integer sums, one rounding."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = (torch.randn(rows, in_features, generator=gen) * torch.logspace(-3, 1, in_features)).bfloat16()
+    q, scales = quantize_per_channel(torch.randn(out_features, in_features, generator=gen))
+    scales = scales.bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    w = q.float() * scales.float()[:, None]
+    ref = nn.functional.linear(x.float(), w, bias.float())
+    if gelu:
+        ref = nn.functional.gelu(ref, approximate="tanh")
+    out = decode_linear().linear_int8(x, q, scales, bias, gelu)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # fixed point: |dx| <= max|x| / 64000 per element; then the bf16 rounding of the result
+    fixed_point = x.float().abs().amax(1, keepdim=True) / 64000 * w.abs().sum(1)
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1.2 * fixed_point + 1e-6)
+
+
+@needs_kernel
+def test_int8_linear_one_row_kernel_agrees_with_torch_int8_kernel():
+    lin = nn.Linear(256, 72).to(torch.bfloat16)
+    q, scales = quantize_per_channel(lin.weight)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    rows = torch.cat([int8_linear(x[i:i + 1], q, scales.to(torch.bfloat16), lin.bias) for i in range(4)])
+    batch = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # aten._weight_int8pack_mm
+    assert (rows.float() - batch.float()).abs().max() <= 2 ** -7 * batch.float().abs().max()
