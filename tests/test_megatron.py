@@ -330,3 +330,49 @@ def test_default_causal_mask_is_cuda_only():
 
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         get_default_causal_mask(4)
+
+
+@needs_cpu
+def test_compat_one_row_linears_run_the_decode_kernel():
+    """Upstream's _forward_impl is F.linear (frozen weights); a one-row bf16 call now returns exactly
+    our kernel's output, any other call exactly upstream's."""
+    from megatron.core.tensor_parallel import layers
+    from plugins.kernels import decode_linear
+
+    compat.apply()
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        assert "linear_with_frozen_weight(input, weight" in inspect.getsource(compat.ORIGINAL[f"{cls.__name__}._forward_impl"])
+        assert "self._forward_impl(\n            input=input_parallel," in inspect.getsource(cls.forward)
+    if decode_linear() is None:
+        pytest.skip("CPU without AVX512-BF16: the hook falls through to upstream")
+    impl = layers.ColumnParallelLinear._forward_impl
+    upstream = compat.ORIGINAL["ColumnParallelLinear._forward_impl"]
+    w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    kw = dict(bias=b, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
+              tp_group=None, grad_output_buffer=None)
+    with torch.inference_mode():
+        one, many = torch.randn(1, 1, 64).bfloat16(), torch.randn(3, 1, 64).bfloat16()
+        assert torch.equal(impl(None, input=one, weight=w, **kw), decode_linear().linear(one[0], w, b, False)[None])
+        assert torch.equal(impl(None, input=many, weight=w, **kw), upstream(None, input=many, weight=w, **kw))
+
+
+def test_bf16_batch1_decode_matches_fp32_hf(ckpt_factory, tokenizer, hf_models):
+    """Batch 1 in bf16 (one-row steps: the decode kernel on CPU): logits within the bf16 tolerance."""
+    from plugins.backend import position_ids
+    from plugins.tokenizer import prompt_token_ids
+
+    path = ckpt_factory("tiny")
+    m = MegatronGPT.from_hf(path, dtype="bfloat16")
+    ids = torch.tensor([prompt_token_ids(tokenizer, 9, 0)])
+    mask = torch.ones_like(ids)
+    dec = m.decoder(1, ids.shape[1] + 3)
+    pos = position_ids(mask)
+    nxt = torch.tensor([[5], [7], [11]])
+    with torch.inference_mode():
+        dec.prefill(ids, mask, pos)
+        steps = [dec.decode(nxt[i:i + 1], torch.ones(1, ids.shape[1] + i + 1, dtype=mask.dtype),
+                            pos[:, -1:] + 1 + i).float() for i in range(3)]
+    want = hf_models(path).logits(torch.cat([ids, nxt.t()], 1), torch.ones(1, ids.shape[1] + 3, dtype=mask.dtype))[0, -3:]
+    err = (torch.cat(steps) - want).abs().max().item()
+    assert err <= 1e-2, err
+    m.close()

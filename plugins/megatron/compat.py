@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from plugins import kernels
+
 _applied = False
 ORIGINAL = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize}
 
@@ -39,4 +41,25 @@ def apply() -> None:
     # dropout even at p=0) swaps CUDA RNG states; the inference tracker's fork is a no-op.
     from megatron.core.tensor_parallel import random as mpu_random
     mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # megatron.core.tensor_parallel.layers.{Column,Row}ParallelLinear._forward_impl: every
+    # linear (QKV, projections, MLP, output layer) runs F.linear, whose batch-1 bf16 GEMV streams
+    # weights at ~20 GB/s here. A one-row bf16 step without autograd runs our decode kernel
+    # (plugins.kernels) on the weight as megatron stores it, [out / tp, in]; the rest is upstream.
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        ORIGINAL[f"{cls.__name__}._forward_impl"] = cls._forward_impl
+        cls._forward_impl = _make_decode_forward_impl(cls._forward_impl)
     _applied = True
+
+
+def _make_decode_forward_impl(upstream):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        bias = kwargs.get("bias")
+        if (input.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and input.numel() == input.shape[-1]
+                and not torch.is_grad_enabled() and not args and (bias is None or bias.dtype == torch.bfloat16)
+                and weight.is_contiguous() and kernels.decode_linear() is not None):
+            out = kernels.decode_linear().linear(input.reshape(1, -1).contiguous(), weight, bias, False)
+            return out.view(*input.shape[:-1], weight.shape[0])
+        return upstream(self, input, weight, *args, **kwargs)
+
+    return _forward_impl
