@@ -382,6 +382,8 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
 
     for _ in range(cfg.warmup):
         backend.generate(input_ids, mask, cfg.new_tokens)
+    # A VM's bandwidth can swing ~2x within minutes; this row's own reading says what it ran on.
+    read_bw = measure_bandwidth(256 << 20, repeats=3)
     runs = [backend.generate(input_ids, mask, cfg.new_tokens) for _ in range(cfg.cycles)]
     new = runs[0].tokens[:, prompt:]
     if is_reference:
@@ -417,6 +419,7 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
         "decode_ms_median": _ms(decode_s),
         "decode_ms_p90": _ms(_percentile(steps, 0.9)),
         "tokens_per_s": batch * cfg.new_tokens / total_s,
+        "read_bw": read_bw,
         "peak_mem_bytes": peak,
         "kv_layout": layout,
         "kv_bytes": int(runs[-1].kv_cache_bytes),

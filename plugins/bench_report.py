@@ -104,10 +104,11 @@ def write_markdown(path: Path, result: dict) -> None:
 
     lines += ["## Speed and memory", ""]
     lines += _table(
-        ["model", "backend", "B", "T", "load s", "prefill ms", "decode ms p50", "p90", "tok/s", "peak MB",
-         "KV MB (theory)", "tokenize ms", "detok ms"],
+        ["model", "backend", "B", "T", "load s", "prefill ms", "decode ms p50", "p90", "tok/s", "read GB/s",
+         "peak MB", "KV MB (theory)", "tokenize ms", "detok ms"],
         [[r["model"], r["backend"], r["batch"], r["prompt_len"], _fmt(r["load_s"], ".2f"), _fmt(r["prefill_ms"]),
           _fmt(r["decode_ms_median"], ".2f"), _fmt(r["decode_ms_p90"], ".2f"), _fmt(r["tokens_per_s"]),
+          _fmt(r.get("read_bw"), ".1f", GB),
           _fmt(r["peak_mem_bytes"], ".0f", MB),
           f"{_fmt(r['kv_bytes'], '.2f', MB)} ({_fmt(r['kv_bytes_theory'], '.2f', MB)})",
           _fmt(r["tokenize_ms"], ".2f"), _fmt(r["detokenize_ms"], ".2f")] for r in ok])
@@ -148,7 +149,8 @@ def write_markdown(path: Path, result: dict) -> None:
     lines += projection_markdown(result.get("projection"), cfg["project_batches"])
     lines += ["Columns: load s = backend load from the HF checkpoint (per backend); prefill ms = prompt forward + "
               "first token (median over cycles); decode ms = one new token for the whole batch (median and p90 over "
-              "all steps of all cycles); tok/s = B x new tokens / (prefill + decode); peak MB = peak RSS of this "
+              "all steps of all cycles); tok/s = B x new tokens / (prefill + decode); read GB/s = read bandwidth probed "
+              "just before the row's timed runs (the roofline uses the one at the start); peak MB = peak RSS of this "
               "process and its TP workers during the row (max allocated on CUDA); KV MB = cache bytes one rank holds "
               "after generation, theory 2 x layers x B x (T + new - 1) x KV heads x head dim x bytes; greedy agree % "
               "= new tokens equal to HF's; max abs logit diff over the first "

@@ -220,7 +220,7 @@ def test_every_row_is_sane(run):
         for key in ("load_s", "prefill_ms", "decode_ms_median", "decode_ms_p90", "tokens_per_s", "tokenize_ms",
                     "detokenize_ms", "peak_mem_bytes", "mem_ms", "compute_ms", "predicted_decode_ms",
                     "predicted_prefill_ms", "measured_over_predicted", "mbu_pct", "mfu_pct", "prefill_mfu_pct",
-                    "weight_bytes_per_rank", "decode_bytes", "decode_flops"):
+                    "weight_bytes_per_rank", "decode_bytes", "decode_flops", "read_bw"):
             assert r[key] > 0, (where, key, r[key])
         assert r["decode_ms_p90"] >= r["decode_ms_median"]
         assert r["token_agreement_pct"] == 100.0, where
