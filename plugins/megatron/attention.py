@@ -4,7 +4,7 @@ megatron-core's local `DotProductAttention` expands K and V to every query head
 (`repeat_interleave`, a full copy of the cache per layer and step) and runs `baddbmm` on
 transposed strided views that CPU BLAS copies again: on SantaCoder-1B (bf16, bs16) that is more
 than half of a decode step. Here each KV group attends as one head: its query heads are stacked
-along the query axis, so K and V are read once, in place (the MQA cache stays one head).
+along the query axis, so K and V are never expanded (the MQA cache stays one head).
 It plugs into the spec where Transformer Engine's attention would (`core_attention`).
 """
 
@@ -31,7 +31,10 @@ class SDPAttention(MegatronModule):
         per_group = heads // groups
         # Query heads of a group are adjacent in megatron's layout: [b, groups, per_group * sq, d].
         q = query.permute(1, 2, 0, 3).reshape(b, groups, per_group * sq, d)
-        k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+        # megatron's cache is [sk, b, groups, d]: as [b, groups, sk, d] each key row sits b * groups * d
+        # elements after the previous one (64 KB apart for MHA at bs16), which SDPA's CPU kernel reads
+        # ~5x slower than a copy costs. One copy per layer and step; a view already when b * groups == 1.
+        k, v = key.permute(1, 2, 0, 3).contiguous(), value.permute(1, 2, 0, 3).contiguous()
         allowed = ~attention_mask  # [b, 1, sq, sk]; rows repeat for each head of the group
         if sq > 1 and per_group > 1:
             allowed = allowed.unsqueeze(2).expand(b, 1, per_group, sq, allowed.shape[-1]).reshape(b, 1, per_group * sq, -1)
