@@ -11,8 +11,8 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   copies (`mkldnn._linear_pointwise`), GELU fused into the first MLP GEMM either way. Both read
   weights ~1.5-2x faster than `F.linear` here. fp32 uses `F.linear` (bit-for-bit HF's GEMM).
 - int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
-  convention (an int8 weight tensor carrying `.scale`), computed by torch's
-  `aten._weight_int8pack_mm` (plugins.quant) on CPU and CUDA.
+  convention (an int8 weight tensor carrying `.scale`), computed by `plugins.quant.int8_linear`:
+  our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA).
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
   into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V).
 
