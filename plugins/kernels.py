@@ -13,24 +13,18 @@ import functools
 import warnings
 from pathlib import Path
 
+import torch
+
 SOURCE = Path(__file__).parent / "csrc" / "decode_linear.cpp"
-ISA = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # /proc/cpuinfo flags the kernel is compiled for
-
-
-def cpu_has_isa() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in ISA)
+ISA = ("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni")  # what the kernels are compiled for
 
 
 @functools.cache
 def decode_linear():
     """The compiled module, or None. `.linear(x [M, K] bf16, weight [N, K] bf16, bias | None, gelu)` and
     `.linear_int8(x, weight [N, K] int8, scales [N] bf16, bias | None, gelu)` -> [M, N] bf16."""
-    if not cpu_has_isa():
+    caps = torch.cpu.get_capabilities()  # torch's cpuinfo-based feature table
+    if not all(caps.get(flag, False) for flag in ISA):
         return None
     from torch.utils.cpp_extension import load
 
