@@ -100,15 +100,18 @@ def _names(key, value) -> tuple:
     return tuple(values)
 
 
+def _check_keys(raw: dict, allowed: set, where: str, hint: str = "") -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}{hint}")
+
+
 def _model_entry(raw) -> ModelEntry:
     if isinstance(raw, str):
         return ModelEntry(label=Path(raw).stem, config=raw)
     if not isinstance(raw, dict) or "config" not in raw:
         raise ConfigError(f"a models entry is a config name or a mapping with 'config', got {raw!r}")
-    unknown = sorted(set(raw) - _MODEL_KEYS)
-    if unknown:
-        raise ConfigError(f"models entry: unknown key(s) {', '.join(unknown)}; "
-                          f"allowed: {', '.join(sorted(_MODEL_KEYS))}")
+    _check_keys(raw, _MODEL_KEYS, "models entry")
     overrides = raw.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise ConfigError(f"models entry {raw['config']!r}: overrides must be a mapping")
@@ -121,10 +124,7 @@ def _backend_entry(raw) -> BackendEntry:
         raw = {"name": raw}
     if not isinstance(raw, dict) or "name" not in raw:
         raise ConfigError(f"a backends entry is a backend name or a mapping with 'name', got {raw!r}")
-    unknown = sorted(set(raw) - _BACKEND_KEYS)
-    if unknown:
-        raise ConfigError(f"backends entry {raw['name']!r}: unknown key(s) {', '.join(unknown)}; "
-                          f"allowed: {', '.join(sorted(_BACKEND_KEYS))} (backend options go under 'options')")
+    _check_keys(raw, _BACKEND_KEYS, f"backends entry {raw['name']!r}", " (backend options go under 'options')")
     name = raw["name"]
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
@@ -142,10 +142,7 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
     """Validate everything a run needs before any work: unknown keys, shapes, backends, TP sizes."""
     if not isinstance(raw, dict):
         raise ConfigError("a bench config is a mapping of keys to values")
-    unknown = sorted(set(raw) - _BENCH_KEYS)
-    if unknown:
-        raise ConfigError(f"bench config {name}: unknown key(s) {', '.join(unknown)}; "
-                          f"allowed: {', '.join(sorted(_BENCH_KEYS))}")
+    _check_keys(raw, _BENCH_KEYS, f"bench config {name}")
     missing = sorted({"models", "backends", "batch_sizes", "prompt_lengths", "new_tokens"} - set(raw))
     if missing:
         raise ConfigError(f"bench config {name}: missing key(s) {', '.join(missing)}")
