@@ -280,3 +280,16 @@ def test_int8_linear_one_row_kernel_agrees_with_torch_int8_kernel():
     rows = torch.cat([int8_linear(x[i:i + 1], q, scales.to(torch.bfloat16), lin.bias) for i in range(4)])
     batch = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # aten._weight_int8pack_mm
     assert (rows.float() - batch.float()).abs().max() <= 2 ** -7 * batch.float().abs().max()
+
+
+@needs_kernel
+def test_injected_linear_sends_one_row_to_the_kernel_and_more_rows_to_onednn():
+    from injection.layer import PackedWeights, linear
+
+    w = torch.randn(40, 64).bfloat16().t()  # [in, out] as DeepSpeed names it, stored [out, in]
+    b = torch.randn(40).bfloat16()
+    packs = PackedWeights()
+    one, many = torch.randn(1, 1, 64).bfloat16(), torch.randn(1, 3, 64).bfloat16()
+    assert torch.equal(linear(one, w, b, packs, gelu=True), decode_linear().linear(one[0], w.t(), b, True)[None])
+    onednn = torch.ops.mkldnn._linear_pointwise(many, packs.get(w), b, "none", [], "")
+    assert torch.equal(linear(many, w, b, packs), onednn)
