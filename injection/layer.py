@@ -6,10 +6,10 @@ inference op, so the fallbacks are the kernels; we subclass the bindings and sup
 that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) and fast:
 
 - linear layers: on CPU the weights are stored [out, in] (nn.Linear's layout) under DeepSpeed's
-  [in, out] parameter names. A one-row bf16 input (a decode step at batch 1) runs our AVX512-BF16
-  kernel (`plugins.kernels`, one streaming pass over the weight); more rows use oneDNN-packed
-  copies (`mkldnn._linear_pointwise`), GELU fused into the first MLP GEMM either way. Both read
-  weights ~1.5-2x faster than `F.linear` here. fp32 uses `F.linear` (bit-for-bit HF's GEMM).
+  [in, out] parameter names, and `plugins.kernels.linear` runs what the CPU's probe picked for
+  this many rows: our decode kernels (one streaming pass over the weight), oneDNN-packed bf16,
+  or fp32 where bf16 has no fast GEMM; GELU fused into the first MLP GEMM. fp32 uses `F.linear`
+  (bit-for-bit HF's GEMM).
 - int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
   convention (an int8 weight tensor carrying `.scale`), computed by `plugins.quant.int8_linear`:
   our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA).
@@ -32,41 +32,11 @@ from deepspeed.model_implementations.transformers.ds_transformer import DeepSpee
 from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp, SoftmaxContextOp, VectorMatMulOp
 
 from plugins import kernels
+from plugins.kernels import PackedWeights
 from plugins.quant import int8_linear, quantize_per_channel
 
 from . import compat
 from .cache import layer_cache
-
-
-class PackedWeights:
-    """oneDNN-packed copies of bf16 weights, made on first use (CPU only)."""
-
-    def __init__(self):
-        self.packed = {}
-
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = id(weight)
-        entry = self.packed.get(key)
-        if entry is None or entry[0] is not weight:
-            # Batch hint: 16 where one-row steps run our kernel (~5 % faster than 1 at 16 rows here),
-            # else 1 (the fastest for one row).
-            hint = 16 if kernels.decode_linear() is not None else 1
-            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(row_major(weight), hint))
-            self.packed[key] = entry
-        return entry[1]
-
-
-def row_major(weight: torch.Tensor) -> torch.Tensor:
-    """weight [in, out] as DeepSpeed names it -> [out, in] contiguous (a view when stored so)."""
-    return weight.t().contiguous()
-
-
-_ONEDNN = torch.backends.mkldnn.is_available()  # read once: torch.compile cannot trace this call
-
-
-def _use_onednn(x: torch.Tensor) -> bool:
-    # under torch.compile, plain F.linear: inductor (freezing) packs the weights itself
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _ONEDNN and not torch.compiler.is_compiling()
 
 
 def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
@@ -74,15 +44,7 @@ def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     weight (from `quantize_int8`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants."""
     if weight.dtype == torch.int8:
         return int8_linear(x, weight, weight.scale, bias, gelu)
-    if _use_onednn(x):
-        kernel = kernels.decode_linear()
-        if kernel is not None and x.numel() == x.shape[-1]:  # one row
-            out = kernel.linear(x.reshape(1, -1).contiguous(), row_major(weight), bias, gelu)
-            return out.view(*x.shape[:-1], -1)
-        return torch.ops.mkldnn._linear_pointwise(x, packs.get(weight), bias,
-                                                  "gelu" if gelu else "none", [], "tanh" if gelu else "")
-    out = F.linear(x, weight.t(), bias)
-    return F.gelu(out, approximate="tanh") if gelu else out
+    return kernels.linear(x, weight.t(), bias, gelu, packs)
 
 
 class GPTBigCodeQKVGemmOp(QKVGemmOp):
@@ -182,7 +144,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self.scale = scale
         self.weights_row_major = False
         if compat.on_cpu():
-            kernels.decode_linear()  # built (once per machine) now, not inside the first decode step
+            kernels.probe()  # kernels built (once per machine) now, not inside the first decode step
 
     def _linear_weights(self):
         attn, mlp = self.attention, self.mlp

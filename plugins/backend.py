@@ -59,6 +59,11 @@ class LocalBackend:
         check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
         return input_ids.to(self.device), attention_mask.to(self.device)
 
+    def linear_paths(self, batch: int, prompt_len: int) -> dict:
+        """Which implementation runs the linears of a decode step and of the prefill (plugins.kernels);
+        engines that call torch directly report 'torch'."""
+        return {"decode": "torch", "prefill": "torch"}
+
 
 # name -> "module:class"; imported lazily so a missing optional library only affects its backend.
 BACKENDS = {

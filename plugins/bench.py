@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from . import roofline
+from . import kernels, roofline
 from .backend import BACKENDS, backend_class, check_tp, load_backend, resolve_dtype
 from .checkpoint import ensure_checkpoint
 from .config import CONFIGS_DIR, REPO_ROOT, ConfigError, load_model_config, read_yaml
@@ -295,6 +295,7 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": psutil.virtual_memory().total,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_kernels": None if torch.cuda.is_available() else kernels.probe().describe(),
         "git_commit": commit,
     }
 
@@ -401,7 +402,13 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
     prefill_s = statistics.median(r.prefill_s for r in runs)
     total_s = statistics.median(r.prefill_s + sum(r.step_s) for r in runs)
 
-    dtype_bytes = torch.empty((), dtype=resolve_dtype(cfg.dtype)).element_size()
+    dtype = resolve_dtype(cfg.dtype)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    paths = backend.linear_paths(batch, prompt)
+    warning = None
+    if cfg.dtype in kernels.slow_dtypes() and "torch" in paths.values():
+        warning = (f"{cfg.dtype} through torch's own GEMM: this CPU has no fast {cfg.dtype} path for it "
+                   "(no oneDNN bf16), expect it slow")
     tp = backend.tp_size
     # The KV layout a backend was asked for (issue 9's `kv_layout` option); engines default to "head".
     layout = "batch" if options.get("kv_layout") == "batch" else "head"
@@ -412,6 +419,8 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
     # The shared loop runs new_tokens - 1 decode steps: the cache ends holding prompt + new - 1 tokens.
     kv_theory = roofline.kv_bytes(shape, batch, prompt + cfg.new_tokens - 1, dtype_bytes, tp, layout)
     return {
+        "linear_paths": paths,
+        "warning": warning,
         "prefill_ms": _ms(prefill_s),
         "decode_ms_median": _ms(decode_s),
         "decode_ms_p90": _ms(_percentile(steps, 0.9)),
@@ -528,6 +537,8 @@ def run_backend(entry: BackendEntry, base: dict, ckpt: Path, cfg: BenchConfig, s
             except Exception as exc:  # out-of-memory included: record it, go on with the next point
                 row["error"] = _error(exc)
                 release_memory()
+            if row.get("warning"):
+                bar.write(f"warning: {base['model']} {entry.label} B={b} T={p}: {row['warning']}", file=sys.stderr)
             rows.append(row)
             bar.update(1)
         if profile_dir is not None:

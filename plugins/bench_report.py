@@ -97,6 +97,11 @@ def write_markdown(path: Path, result: dict) -> None:
              f"{machine['gemm_dtype']} GEMM peak **{machine['peak_flops'] / GB:.1f} GFLOP/s** "
              "(the roofline's two figures); "
              f"a batch-1 {machine['gemm_dtype']} `F.linear` streams weights at {machine['gemv_bw'] / GB:.1f} GB/s.", ""]
+    probe = env.get("cpu_kernels")
+    if probe:
+        forced = f" (forced by PLUGINS_KERNELS={probe['forced']})" if probe["forced"] else ""
+        lines += [f"CPU linears (plugins.kernels): rung **{probe['rung']}**{forced}; bf16 by rows "
+                  f"{probe['bf16']}, int8 by rows {probe['int8']}.", ""]
     if result["skipped"]:
         lines += ["Skipped backends:", ""]
         lines += [f"- {s['backend']} ({s['model']}): {s['reason']}" for s in result["skipped"]]
@@ -104,9 +109,11 @@ def write_markdown(path: Path, result: dict) -> None:
 
     lines += ["## Speed and memory", ""]
     lines += _table(
-        ["model", "backend", "B", "T", "load s", "prefill ms", "decode ms p50", "p90", "tok/s", "read GB/s",
-         "peak MB", "KV MB (theory)", "tokenize ms", "detok ms"],
-        [[r["model"], r["backend"], r["batch"], r["prompt_len"], _fmt(r["load_s"], ".2f"), _fmt(r["prefill_ms"]),
+        ["model", "backend", "B", "T", "linears decode / prefill", "load s", "prefill ms", "decode ms p50", "p90",
+         "tok/s", "read GB/s", "peak MB", "KV MB (theory)", "tokenize ms", "detok ms"],
+        [[r["model"], r["backend"], r["batch"], r["prompt_len"],
+          "{decode} / {prefill}".format(**r["linear_paths"]) + (" (slow dtype here)" if r.get("warning") else ""),
+          _fmt(r["load_s"], ".2f"), _fmt(r["prefill_ms"]),
           _fmt(r["decode_ms_median"], ".2f"), _fmt(r["decode_ms_p90"], ".2f"), _fmt(r["tokens_per_s"]),
           _fmt(r.get("read_bw"), ".1f", GB),
           _fmt(r["peak_mem_bytes"], ".0f", MB),
@@ -147,7 +154,10 @@ def write_markdown(path: Path, result: dict) -> None:
                         [[r["model"], r["backend"], r["batch"], r["prompt_len"], r["error"].replace("|", "/")]
                          for r in errors])
     lines += projection_markdown(result.get("projection"), cfg["project_batches"])
-    lines += ["Columns: load s = backend load from the HF checkpoint (per backend); prefill ms = prompt forward + "
+    lines += ["Columns: linears = the implementation of the decode step's and the prefill's linear layers "
+              "(plugins.kernels: avx512 / avx2 = our kernels, onednn = oneDNN-packed bf16, fp32 = fp32 GEMM on "
+              "converted weights, torch = the engine's own torch calls); "
+              "load s = backend load from the HF checkpoint (per backend); prefill ms = prompt forward + "
               "first token (median over cycles); decode ms = one new token for the whole batch (median and p90 over "
               "all steps of all cycles); tok/s = B x new tokens / (prefill + decode); read GB/s = read bandwidth probed "
               "just before the row's timed runs (the roofline uses the one at the start); peak MB = peak RSS of this "

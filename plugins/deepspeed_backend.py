@@ -32,6 +32,8 @@ from .backend import ConfigError, GenerationResult, LocalBackend, check_load, re
 from .checkpoint import load_hf_model, read_hf_config
 from .generation import Sampler, generate
 from .hf import HFBackend, HFDecoder
+from . import kernels
+from .kernels import PackedWeights
 from .quant import Int8Linear
 from .speculative import speculative_generate
 
@@ -106,6 +108,10 @@ class DeepSpeedBackend(LocalBackend):
         return out
 
     logits = HFBackend.logits  # the injected model is still an HF model: same call
+
+    def linear_paths(self, batch: int, prompt_len: int) -> dict:
+        int8 = self.model.transformer.h[0].attention.attn_qkvw.dtype == torch.int8
+        return kernels.paths(self.dtype, batch, prompt_len, int8=int8)
 
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
         from injection import SingleHeadCache
@@ -213,8 +219,6 @@ class InjectedDecoder(HFDecoder):
     """
 
     def __init__(self, model, cache, compile: bool = False):
-        from injection.layer import PackedWeights
-
         super().__init__(model, cache)
         layer = cache.layers[0]
         batch = layer.keys.shape[0] if layer.is_initialized else 1
@@ -290,6 +294,7 @@ class AutoTPBackend(DeepSpeedBackend):
 
     name = "deepspeed-autotp"
     fast_decode = False  # HF's own blocks: HF's forward
+    linear_paths = LocalBackend.linear_paths
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):

@@ -1,8 +1,8 @@
 """int8 weight-only quantization: per-output-channel symmetric scales, activations stay bf16/fp32.
 
 Decode at small batch is bound by reading weights; int8 halves the bytes of bf16. One bf16 row
-on a CPU with AVX512-VNNI runs our kernel (plugins.kernels); otherwise torch's own
-`aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel.
+runs our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI or AVX2); otherwise torch's
+own `aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     """F.linear with an int8 weight (then tanh GELU if asked). `scales` must already be in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    kernel = kernels.decode_linear() if x2.shape[0] == 1 and x2.dtype == torch.bfloat16 and x.device.type == "cpu" else None
-    if kernel is not None and not torch.compiler.is_compiling() and (bias is None or bias.dtype == torch.bfloat16):
-        # one row (a decode step at batch 1): our kernel, ~1.6x torch's int8 GEMV here (plugins.kernels)
-        return kernel.linear_int8(x2.contiguous(), q, scales, bias, gelu).view(*shape[:-1], q.shape[0])
+    impl = "torch"
+    if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
+            bias is None or bias.dtype == torch.bfloat16):
+        impl = kernels.probe().int8(x2.shape[0])
+    if impl != "torch":  # one row (a decode step at batch 1): our kernel, ~1.6x torch's int8 GEMV
+        out = kernels.probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
+        return out.view(*shape[:-1], q.shape[0])
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows (measured here:
     # ~linear in M, as slow as dequantize + GEMM at ~128 rows): a prefill dequantizes once instead.
     if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS:
-        out = F.linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
+        out = kernels.linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
     if bias is not None:

@@ -333,29 +333,34 @@ def test_default_causal_mask_is_cuda_only():
 
 
 @needs_cpu
-def test_compat_one_row_linears_run_the_decode_kernel():
-    """Upstream's _forward_impl is F.linear (frozen weights); a one-row bf16 call now returns exactly
-    our kernel's output, any other call exactly upstream's."""
+@pytest.mark.kernels
+def test_compat_linears_run_the_probes_choice():
+    """Upstream's _forward_impl is F.linear (frozen weights); a bf16 call the probe sends to our kernels
+    or to fp32 now returns exactly `kernels.linear`'s output, any other call exactly upstream's."""
     from megatron.core.tensor_parallel import layers
-    from plugins.kernels import decode_linear
+    from plugins import kernels
 
     compat.apply()
     for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
         assert "linear_with_frozen_weight(input, weight" in inspect.getsource(compat.ORIGINAL[f"{cls.__name__}._forward_impl"])
         assert "self._forward_impl(\n            input=input_parallel," in inspect.getsource(cls.forward)
-    if decode_linear() is None:
-        pytest.skip("CPU without AVX512-BF16: the hook falls through to upstream")
     impl = layers.ColumnParallelLinear._forward_impl
     upstream = compat.ORIGINAL["ColumnParallelLinear._forward_impl"]
     w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     kw = dict(bias=b, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
               tp_group=None, grad_output_buffer=None)
     with torch.inference_mode():
-        one, many = torch.randn(1, 1, 64).bfloat16(), torch.randn(3, 1, 64).bfloat16()
-        assert torch.equal(impl(None, input=one, weight=w, **kw), decode_linear().linear(one[0], w, b, False)[None])
-        assert torch.equal(impl(None, input=many, weight=w, **kw), upstream(None, input=many, weight=w, **kw))
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 1, 64).bfloat16()
+            want = (kernels.linear(x, w, b) if kernels.probe().bf16(rows) in ("avx512", "avx2", "fp32")
+                    else upstream(None, input=x, weight=w, **kw))
+            assert torch.equal(impl(None, input=x, weight=w, **kw), want)
+        x = torch.randn(3, 1, 64)  # fp32: always upstream
+        assert torch.equal(impl(None, input=x, weight=w.float(), **{**kw, "bias": b.float()}),
+                           upstream(None, input=x, weight=w.float(), **{**kw, "bias": b.float()}))
 
 
+@pytest.mark.kernels
 def test_bf16_batch1_decode_matches_fp32_hf(ckpt_factory, tokenizer, hf_models):
     """Batch 1 in bf16 (one-row steps: the decode kernel on CPU): logits within the bf16 tolerance."""
     from plugins.backend import position_ids

@@ -101,6 +101,11 @@ class MegatronGPT(LocalBackend):
         from converters.megatron_core import save_model
         save_model(self.model, self.config, dst)
 
+    def linear_paths(self, batch: int, prompt_len: int) -> dict:
+        from plugins import kernels  # compat routes megatron's bf16 linears through the probe
+
+        return kernels.paths(self.dtype, batch, prompt_len)
+
     @staticmethod
     def _device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -43,8 +43,10 @@ def apply() -> None:
     mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # megatron.core.tensor_parallel.layers.{Column,Row}ParallelLinear._forward_impl: every
     # linear (QKV, projections, MLP, output layer) runs F.linear, whose batch-1 bf16 GEMV streams
-    # weights at ~20 GB/s here. A one-row bf16 step without autograd runs our decode kernel
-    # (plugins.kernels) on the weight as megatron stores it, [out / tp, in]; the rest is upstream.
+    # weights at ~20 GB/s here, and whose multi-row bf16 GEMM has no fast path on CPUs without
+    # oneDNN bf16 (AVX2). bf16 without autograd goes where `plugins.kernels.probe()` says: our
+    # decode kernels, or fp32 on converted weights, on the weight as megatron stores it,
+    # [out / tp, in]; oneDNN and the rest stay upstream.
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     for cls in (ColumnParallelLinear, RowParallelLinear):
         ORIGINAL[f"{cls.__name__}._forward_impl"] = cls._forward_impl
@@ -55,11 +57,10 @@ def apply() -> None:
 def _make_decode_forward_impl(upstream):
     def _forward_impl(self, input, weight, *args, **kwargs):
         bias = kwargs.get("bias")
-        if (input.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and input.numel() == input.shape[-1]
-                and not torch.is_grad_enabled() and not args and (bias is None or bias.dtype == torch.bfloat16)
-                and weight.is_contiguous() and kernels.decode_linear() is not None):
-            out = kernels.decode_linear().linear(input.reshape(1, -1).contiguous(), weight, bias, False)
-            return out.view(*input.shape[:-1], weight.shape[0])
+        if (weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and not args and weight.is_contiguous()
+                and (bias is None or bias.dtype == torch.bfloat16)
+                and kernels.bf16_choice(input) in ("avx512", "avx2", "fp32")):
+            return kernels.linear(input, weight, bias)
         return upstream(self, input, weight, *args, **kwargs)
 
     return _forward_impl

@@ -1,0 +1,234 @@
+"""CPU linear layers for decode and prefill, and the one place that decides which implementation runs.
+
+The ladder, fastest first; each rung is a real path with its own tests:
+
+  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 and int8 steps;
+          more bf16 rows go to oneDNN
+  onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
+          (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
+  avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
+          int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
+  torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
+
+`probe()` picks, once per process, the highest rung this CPU supports and whose kernel builds
+(a build failure warns once and steps down), capped by the environment variable
+PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
+
+bf16 without a fast bf16 GEMM (no oneDNN bf16: AVX2 CPUs, or a forced rung below onednn): products
+with more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
+rows (~1 MB) into its own buffer and runs torch's fp32 GEMM on it (csrc/common.h), so no copy of
+the weight is ever made and bf16 is no slower than fp32 (measured faster: it reads half the bytes).
+Without a compiled kernel (torch rung) 'fp32' converts the whole weight for the call (transient:
+the largest weight once in fp32, 64 MB for santacoder-1b's c_fc). torch's own bf16 GEMM on such
+CPUs has no fast path (seconds per decode step).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CSRC = Path(__file__).parent / "csrc"
+RUNGS = ("avx512", "onednn", "avx2", "torch")
+ENV = "PLUGINS_KERNELS"
+# The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles,
+# faster from 4 rows on (measured: 8 santacoder-1b weights, 3 rows 7.7 vs 11.9 ms, 4 rows 14.2 vs 11.9).
+KERNEL_ROWS = 3
+# torch.cpu.get_capabilities() names each kernel needs, and the flags it is compiled with
+KERNEL_ISA = {
+    "avx512": (("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
+    "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Which implementation each linear uses on this machine, by dtype and number of rows."""
+
+    rung: str                  # the highest rung in use (RUNGS)
+    bf16_gemm: bool            # multi-row bf16 has a fast GEMM (oneDNN packing) at this rung
+    forced: str | None = None  # the PLUGINS_KERNELS cap, if set
+    modules: dict = field(default_factory=dict, compare=False, repr=False)  # compiled kernels by name
+
+    def bf16(self, rows: int) -> str:
+        """'avx512' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights), 'torch'."""
+        if rows <= 1 and self.rung in ("avx512", "avx2"):
+            return self.rung
+        if rows <= KERNEL_ROWS and self.rung == "avx2":
+            return "avx2"
+        if self.bf16_gemm:
+            return "onednn"
+        return "torch" if rows <= 1 else "fp32"
+
+    def int8(self, rows: int) -> str:
+        """'avx512' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
+        if rows <= 1 and "avx512" in self.modules:
+            return "avx512"
+        if rows <= 1 and "avx2" in self.modules:
+            return "avx2"
+        return "torch"
+
+    def kernel(self, impl: str):
+        return self.modules[impl]
+
+    def describe(self) -> dict:
+        """What ran, for results.json and the console: the rung and the choice per dtype and rows."""
+        rows = (1, 4, 16, 128)
+        return {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
+                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows}}
+
+
+def capabilities() -> dict:
+    return torch.cpu.get_capabilities()  # torch's cpuinfo-based feature table
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can pack bf16 weights here (it raises on CPUs without AVX512BW/VL/DQ or
+    AVX-NE-CONVERT, e.g. AVX2-only EPYCs): torch's own check, then a real 2x2 pack."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=torch.bfloat16), 1)
+        return True
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def build(name: str):
+    """Compile (once per machine, cached in $TORCH_EXTENSIONS_DIR) and load kernel `name`; None on failure."""
+    from torch.utils.cpp_extension import load
+
+    flags = KERNEL_ISA[name][1]
+    # torch's loader rebuilds when the sources or flags change; the header's hash goes into the flags
+    header = hashlib.sha256((CSRC / "common.h").read_bytes()).hexdigest()[:16]
+    try:
+        return load(f"decode_{name}", [str(CSRC / f"decode_{name}.cpp")], verbose=False,
+                    extra_cflags=["-O3", "-fopenmp", *flags, f"-DCOMMON_H_SHA={header}"],
+                    extra_include_paths=[str(CSRC)])
+    except Exception as exc:  # no compiler, old assembler, ...
+        warnings.warn(f"{name} decode kernel unavailable ({type(exc).__name__}: {exc}); using a lower rung")
+        return None
+
+
+def forced_rung() -> str | None:
+    value = os.environ.get(ENV, "").strip().lower() or None
+    if value is not None and value not in RUNGS:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(RUNGS)}")
+    return value
+
+
+def supported(name: str, caps: dict | None = None) -> bool:
+    """Whether this CPU has the instructions kernel `name` is compiled for."""
+    caps = capabilities() if caps is None else caps
+    return all(caps.get(flag, False) for flag in KERNEL_ISA[name][0])
+
+
+_PROBE: Probe | None = None  # a plain global: torch.compile reads it without tracing the probe
+
+
+def probe() -> Probe:
+    """The ladder decision for this process (made on first call; kernels are built then)."""
+    global _PROBE
+    if _PROBE is None:
+        _PROBE = _decide()
+    return _PROBE
+
+
+def _decide() -> Probe:
+    forced = forced_rung()
+    allowed = RUNGS[RUNGS.index(forced):] if forced else RUNGS
+    caps = capabilities()
+    bf16_gemm = "onednn" in allowed and onednn_packs_bf16()
+    modules = {}
+    for name in ("avx512", "avx2"):  # avx2 is also the onednn rung's int8 one-row kernel
+        if name in allowed and "avx512" not in modules and supported(name, caps):
+            module = build(name)
+            if module is not None:
+                modules[name] = module
+    for rung in allowed:
+        if rung in modules or rung == "torch" or (rung == "onednn" and bf16_gemm):
+            return Probe(rung, bf16_gemm, forced, modules)
+    raise AssertionError("unreachable: the torch rung is always available")
+
+
+def reset() -> None:
+    """Forget the decision (tests that change PLUGINS_KERNELS)."""
+    global _PROBE
+    _PROBE = None
+
+
+class PackedWeights:
+    """oneDNN-packed copies of bf16 weights ([out, in]), made on first use, kept per weight storage."""
+
+    def __init__(self):
+        self.packed = {}
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape))
+        entry = self.packed.get(key)
+        if entry is None:
+            # Batch hint: 16 where one-row steps run our kernel (~5 % faster than 1 at 16 rows here),
+            # else 1 (the fastest for one row).
+            hint = 16 if probe().bf16(1) != "onednn" else 1
+            # the weight is kept with its pack: its storage (the key) cannot be freed and reused
+            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint))
+            self.packed[key] = entry
+        return entry[1]
+
+
+def bf16_choice(x: torch.Tensor) -> str | None:
+    """The implementation a bf16 CPU input `x` [..., K] gets; None for other dtypes and devices."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return None
+    rows = x.numel() // x.shape[-1]
+    if torch.compiler.is_compiling():  # traceable paths only; inductor packs weights itself
+        return "torch" if _PROBE is None or _PROBE.bf16_gemm or rows <= 1 else "fp32"
+    return probe().bf16(rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,
+           packs: PackedWeights | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) (then tanh GELU); weight [N, K] stored row-major (nn.Linear's layout).
+
+    bf16 on CPU runs the probe's choice for this many rows; everything else is `F.linear`."""
+    impl = bf16_choice(x)
+    if impl in ("avx512", "avx2"):
+        out = probe().kernel(impl).linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if impl == "onednn":
+        packed = (packs or PackedWeights()).get(weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if gelu else "none", [],
+                                                  "tanh" if gelu else "")
+    if impl == "fp32":
+        module = next(iter(probe().modules.values()), None) if not torch.compiler.is_compiling() else None
+        if module is not None:
+            out = module.linear_fp32(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return (F.gelu(out, approximate="tanh") if gelu else out).to(x.dtype)
+    out = F.linear(x, weight, bias)
+    return F.gelu(out, approximate="tanh") if gelu else out
+
+
+def paths(dtype: torch.dtype, batch: int, prompt_len: int, int8: bool = False) -> dict:
+    """What `linear` / `int8_linear` run for a decode step of `batch` rows and a prefill of
+    batch x prompt_len rows, in `dtype` on CPU (the probe's choice; CUDA and fp32: 'torch')."""
+    if dtype != torch.bfloat16 or torch.cuda.is_available():
+        return {"decode": "torch", "prefill": "torch"}
+    p = probe()
+    decode = f"int8 {p.int8(batch)}" if int8 else p.bf16(batch)
+    return {"decode": decode, "prefill": p.bf16(batch * prompt_len)}
+
+
+def slow_dtypes() -> list[str]:
+    """Dtypes torch itself computes without a fast GEMM here (HF and other plain-torch engines)."""
+    return [] if onednn_packs_bf16() else ["bfloat16"]

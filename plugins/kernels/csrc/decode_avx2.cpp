@@ -1,0 +1,195 @@
+// Decode linears on x86 CPUs with AVX2 + FMA only (no AVX512, no native bf16 arithmetic); see
+// common.h for the scheme.
+//   linear:      bf16 weights widened to fp32 in registers (a bf16 is the top half of an fp32),
+//                FMA against the input rows converted to fp32 once per call.
+//   linear_int8: int8 weights widened to int16, vpmaddwd against activations as 16-bit fixed
+//                point (exact int32 pair sums), flushed to int64 before they could overflow.
+// Rows of input: up to 3 per pass over a weight row (bf16; 2 for int8), then the rest; the weight
+// row stays in L1 between passes.
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace {
+
+using namespace decode;
+
+// 8 bf16 -> 8 fp32 (shift into the high half); `remaining` < 8 reads only that many.
+inline __m256 load_bf16x8(const bf16* p, int64_t remaining) {
+  __m128i raw;
+  if (remaining >= 8) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < remaining; ++i) tmp[i] = reinterpret_cast<const uint16_t*>(p)[i];
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x rows in fp32, zero padded to K16 (a multiple of 16): reading past K adds nothing.
+struct FloatRows {
+  int64_t K16;
+  std::vector<float> data;  // [M, K16]
+};
+
+FloatRows to_float_rows(const bf16* x, int64_t M, int64_t K) {
+  FloatRows f;
+  f.K16 = (K + 15) / 16 * 16;
+  f.data.assign(M * f.K16, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) f.data[m * f.K16 + k] = static_cast<float>(x[m * K + k]);
+  return f;
+}
+
+// dot[m] = x[m0 + m, :] . w for MT rows. Four accumulator chains per row (one per 8-element
+// chunk of a 32-element step): FMA latency is 4 cycles, so one chain per row would stall a
+// one-row step at half the memory system's pace. Each widened weight chunk is used by every row
+// before the next is loaded, so MT * 4 accumulators + 1 weight register stay in the 16 ymm registers.
+constexpr int CHAINS = 4;
+
+template <int MT>
+void dots_bf16(const FloatRows& f, int64_t m0, const bf16* w, int64_t K, float* dot) {
+  __m256 acc[MT][CHAINS];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_ps();
+  const float* x = f.data.data() + m0 * f.K16;
+  int64_t k = 0;
+  for (; k + 8 * CHAINS <= K; k += 8 * CHAINS) {
+    for (int c = 0; c < CHAINS; ++c) {
+      const __m256 wv = load_bf16x8(w + k + 8 * c, 8);
+      for (int m = 0; m < MT; ++m)
+        acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * f.K16 + k + 8 * c), acc[m][c]);
+    }
+  }
+  for (int c = 0; k < K; k += 8, ++c) {  // at most three full chunks and one partial; x is zero past K
+    const __m256 wv = load_bf16x8(w + k, K - k);
+    for (int m = 0; m < MT; ++m) acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * f.K16 + k), acc[m][c]);
+  }
+  for (int m = 0; m < MT; ++m)
+    dot[m] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+void row_bf16(const FloatRows& f, const bf16* w, int64_t M, int64_t K, float* dot) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) dots_bf16<3>(f, m, w, K, dot + m);
+  switch (M - m) {
+    case 2: dots_bf16<2>(f, m, w, K, dot + m); break;
+    case 1: dots_bf16<1>(f, m, w, K, dot + m); break;
+    default: break;
+  }
+}
+
+// ---- int8 weights -----------------------------------------------------------------------------
+
+struct FixedPointRows {
+  int64_t K16;               // K rounded up to 16 (zero padded: padded lanes add nothing)
+  std::vector<int16_t> q;    // [M, K16]
+  std::vector<float> scale;  // per row
+};
+
+FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
+  FixedPointRows f;
+  f.K16 = (K + 15) / 16 * 16;
+  f.q.assign(M * f.K16, 0);
+  f.scale.assign(M, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const bf16* row = x + m * K;
+    f.scale[m] = fixed_point_scale(row, K);
+    for (int64_t k = 0; k < K; ++k) f.q[m * f.K16 + k] = static_cast<int16_t>(to_fixed_point(row[k], f.scale[m]));
+  }
+  return f;
+}
+
+inline __m256i load_int8x16(const int8_t* p, int64_t remaining) {
+  __m128i raw;
+  if (remaining >= 16) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) int8_t tmp[16] = {0};
+    for (int64_t i = 0; i < remaining; ++i) tmp[i] = p[i];
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+  }
+  return _mm256_cvtepi8_epi16(raw);
+}
+
+// Each vpmaddwd lane sum is at most 2 * 127 * 32000 < 2^23: 256 of them fit an int32 lane.
+constexpr int64_t FLUSH_CHUNKS = 256;
+
+inline __m256i add_to_int64(__m256i acc64, __m256i acc32) {
+  acc64 = _mm256_add_epi64(acc64, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc32)));
+  return _mm256_add_epi64(acc64, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc32, 1)));
+}
+
+inline int64_t hsum_int64(__m256i v) {
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+template <int MT>
+void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, float* dot) {
+  __m256i acc32[MT], acc64[MT];
+  for (int m = 0; m < MT; ++m) acc32[m] = acc64[m] = _mm256_setzero_si256();
+  int64_t chunks = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256i wv = load_int8x16(w + k, K - k);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.q.data() + (m0 + m) * f.K16 + k));
+      acc32[m] = _mm256_add_epi32(acc32[m], _mm256_madd_epi16(wv, xq));
+    }
+    if (++chunks == FLUSH_CHUNKS) {
+      for (int m = 0; m < MT; ++m) {
+        acc64[m] = add_to_int64(acc64[m], acc32[m]);
+        acc32[m] = _mm256_setzero_si256();
+      }
+      chunks = 0;
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    const int64_t sum = hsum_int64(add_to_int64(acc64[m], acc32[m]));
+    dot[m] = (float)((double)sum * f.scale[m0 + m]);
+  }
+}
+
+void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, float* dot) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) dots_int8<2>(f, m, w, K, dot + m);
+  if (m < M) dots_int8<1>(f, m, w, K, dot + m);
+}
+
+}  // namespace
+
+// x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
+  check_inputs(x, weight, at::kBFloat16);
+  const int64_t M = x.size(0), K = x.size(1);
+  const FloatRows f = to_float_rows(x.data_ptr<bf16>(), M, K);  // once, read by every weight row
+  const bf16* wp = weight.data_ptr<bf16>();
+  return for_each_output(x, weight.size(0), nullptr, vector_ptr(bias, weight.size(0), "bias"), gelu,
+                         [&](int64_t n, float* dot) { row_bf16(f, wp + n * K, M, K, dot); });
+}
+
+// x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> bias, bool gelu) {
+  check_inputs(x, weight, at::kChar);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  return for_each_output(x, N, vector_ptr(scales, N, "scales"), vector_ptr(bias, N, "bias"), gelu,
+                         [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
+  m.def("linear", &linear, "bf16 decode linear (AVX2 + FMA)");
+  m.def("linear_int8", &linear_int8, "int8 weight decode linear, bf16 in and out (AVX2)");
+}

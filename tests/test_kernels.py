@@ -1,0 +1,257 @@
+"""The CPU linear ladder (plugins.kernels): the probe's decisions, each compiled kernel against an
+fp32 reference, and what each rung computes end to end.
+
+Tests marked `kernels` are run by `make test` once natively and once with every lower rung forced
+(PLUGINS_KERNELS=onednn / avx2 / torch), so a machine with AVX512 covers the paths of AVX2-only
+machines too. The kernel tests themselves run every kernel this CPU can execute, whatever the rung.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from plugins import kernels
+from plugins.backend import load_backend, position_ids
+from plugins.kernels import KERNEL_ROWS, PackedWeights, Probe
+from plugins.quant import int8_linear, quantize_per_channel
+
+pytestmark = pytest.mark.kernels
+
+RUNNABLE = [name for name in kernels.KERNEL_ISA if kernels.supported(name)]
+per_kernel = pytest.mark.parametrize("name", RUNNABLE or [pytest.param("none", marks=pytest.mark.skip(
+    reason="CPU without AVX2/AVX512: no decode kernel runs here"))])
+
+
+def kernel(name):
+    module = kernels.build(name)
+    if module is None:
+        pytest.skip(f"the {name} kernel did not build here (see the warning)")
+    return module
+
+
+# --- the probe ------------------------------------------------------------------------------------
+
+def test_ladder_decisions_per_rung():
+    """Which implementation each rung gives bf16 and int8 linears, by number of rows."""
+    avx512 = Probe("avx512", True, modules={"avx512": object()})
+    assert [avx512.bf16(r) for r in (1, 2, 16, 512)] == ["avx512", "onednn", "onednn", "onednn"]
+    assert [avx512.int8(r) for r in (1, 2)] == ["avx512", "torch"]
+    onednn = Probe("onednn", True, modules={"avx2": object()})
+    assert [onednn.bf16(r) for r in (1, 16, 512)] == ["onednn"] * 3
+    assert [onednn.int8(r) for r in (1, 2)] == ["avx2", "torch"]
+    avx2 = Probe("avx2", False, modules={"avx2": object()})
+    assert [avx2.bf16(r) for r in (1, KERNEL_ROWS, KERNEL_ROWS + 1)] == ["avx2", "avx2", "fp32"]
+    assert [avx2.int8(r) for r in (1, 2)] == ["avx2", "torch"]
+    plain = Probe("torch", False)
+    assert [plain.bf16(r) for r in (1, 2)] == ["torch", "fp32"]
+    assert plain.int8(1) == "torch"
+
+
+def test_forced_rung_caps_the_probe(monkeypatch):
+    native = kernels.probe()
+    try:
+        for rung in kernels.RUNGS[kernels.RUNGS.index(native.rung):]:
+            monkeypatch.setenv(kernels.ENV, rung)
+            kernels.reset()
+            p = kernels.probe()
+            assert p.forced == rung and kernels.RUNGS.index(p.rung) >= kernels.RUNGS.index(rung)
+            if rung in ("avx2", "torch"):
+                assert not p.bf16_gemm  # as on an AVX2-only CPU: no oneDNN bf16
+            if rung == "torch":
+                assert p.modules == {}
+        monkeypatch.setenv(kernels.ENV, "avx9000")
+        kernels.reset()
+        with pytest.raises(ValueError, match="PLUGINS_KERNELS='avx9000': expected one of avx512, onednn, avx2, torch"):
+            kernels.probe()
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+    assert kernels.probe() == native
+
+
+def test_onednn_bf16_check_agrees_with_packing():
+    """The probe's oneDNN answer is what packing really does on this CPU."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).bfloat16(), 1)
+        packs = True
+    except RuntimeError as exc:
+        assert "bf16 path needs the cpu support" in str(exc)
+        packs = False
+    assert kernels.onednn_packs_bf16() == packs
+
+
+# --- each compiled kernel ---------------------------------------------------------------------------
+
+@per_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 96), (6, 40, 33),
+                                                            (16, 24, 70)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernel_bf16_matches_fp32_reference(name, rows, out_features, in_features, gelu):
+    """Any M, N and K (tails of every width): fp32 accumulation, one rounding."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    ref = nn.functional.linear(x.float(), w.float(), bias.float())
+    if gelu:
+        ref = nn.functional.gelu(ref, approximate="tanh")
+    out = kernel(name).linear(x, w, bias, gelu)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # bf16 rounding of the result (2^-8 relative) plus fp32 summation error
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
+
+
+@per_kernel
+def test_kernel_rows_are_independent_of_the_batch(name):
+    """Each output row is computed by the same instructions in the same order whatever M is."""
+    x, w = torch.randn(11, 259).bfloat16(), torch.randn(52, 259).bfloat16()
+    q, scales = quantize_per_channel(w)
+    whole = kernel(name).linear(x, w, None, True)
+    whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
+    for i in range(11):
+        row = x[i:i + 1].contiguous()
+        assert torch.equal(kernel(name).linear(row, w, None, True), whole[i:i + 1])
+        assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
+
+
+@per_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 130),
+                                                            (1, 16, 8200)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernel_int8_matches_dequantized_reference(name, rows, out_features, in_features, gelu):
+    """int8 weights x activations held as 16-bit fixed point per row, exact integer sums, one rounding
+    (K = 8200: long enough that the avx2 kernel flushes its int32 sums to int64)."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = (torch.randn(rows, in_features, generator=gen) * torch.logspace(-3, 1, in_features)).bfloat16()
+    q, scales = quantize_per_channel(torch.randn(out_features, in_features, generator=gen))
+    scales = scales.bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    w = q.float() * scales.float()[:, None]
+    ref = nn.functional.linear(x.float(), w, bias.float())
+    if gelu:
+        ref = nn.functional.gelu(ref, approximate="tanh")
+    out = kernel(name).linear_int8(x, q, scales, bias, gelu)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # fixed point: |dx| <= max|x| / 64000 per element; then the bf16 rounding of the result
+    fixed_point = x.float().abs().amax(1, keepdim=True) / 64000 * w.abs().sum(1)
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1.2 * fixed_point + 1e-6)
+
+
+@per_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 100), (5, 300, 64), (40, 520, 2050),
+                                                            (7, 9, 70000)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernel_fp32_tiles_match_fp32_reference(name, rows, out_features, in_features, gelu):
+    """bf16 weights converted tile by tile (tails of tiles and of K) into an fp32 GEMM, one rounding."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    ref = nn.functional.linear(x.float(), w.float(), bias.float())
+    if gelu:
+        ref = nn.functional.gelu(ref, approximate="tanh")
+    out = kernel(name).linear_fp32(x, w, bias, gelu)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
+
+
+@per_kernel
+def test_kernel_int8_saturated_sums_do_not_overflow(name):
+    """Every weight at +127 and every activation at the fixed-point maximum: the largest sums there are."""
+    K = 24576  # StarCoder's widest input (MLP c_proj)
+    q = torch.full((3, K), 127, dtype=torch.int8)
+    scales = torch.ones(3).bfloat16()
+    x = torch.ones(1, K).bfloat16()
+    out = kernel(name).linear_int8(x, q, scales, None, False)
+    assert torch.allclose(out.float(), torch.full((1, 3), 127.0 * K), rtol=2 ** -8)
+
+
+@per_kernel
+def test_kernel_nan_input_gives_nan_not_garbage(name):
+    x = torch.randn(2, 64).bfloat16()
+    x[1, 3] = float("nan")
+    q, scales = quantize_per_channel(torch.randn(8, 64))
+    out = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+
+
+# --- the dispatcher, at whatever rung this process runs (native or forced) ---------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, KERNEL_ROWS, KERNEL_ROWS + 1, 17, 40])
+def test_linear_runs_the_probes_choice(rows):
+    """kernels.linear gives exactly the output of the implementation the probe names for this many rows."""
+    w, b = torch.randn(40, 72).bfloat16(), torch.randn(40).bfloat16()
+    x = torch.randn(1, rows, 72).bfloat16()
+    packs = PackedWeights()
+    impl = kernels.probe().bf16(rows)
+    out = kernels.linear(x, w, b, True, packs)
+    if impl in ("avx512", "avx2"):
+        want = kernels.probe().kernel(impl).linear(x[0].contiguous(), w, b, True)[None]
+    elif impl == "onednn":
+        want = torch.ops.mkldnn._linear_pointwise(x, packs.get(w), b, "gelu", [], "tanh")
+    elif impl == "fp32" and kernels.probe().modules:  # tiles converted per thread, fp32 GEMM
+        want = next(iter(kernels.probe().modules.values())).linear_fp32(x[0].contiguous(), w, b, True)[None]
+    elif impl == "fp32":
+        want = nn.functional.gelu(nn.functional.linear(x.float(), w.float(), b.float()), approximate="tanh").bfloat16()
+    else:
+        want = nn.functional.gelu(nn.functional.linear(x, w, b), approximate="tanh")
+    assert torch.equal(out, want), impl
+    ref = nn.functional.gelu(nn.functional.linear(x.float(), w.float(), b.float()), approximate="tanh")
+    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2)
+
+
+def test_int8_linear_one_row_agrees_with_torch_int8_kernel():
+    lin = nn.Linear(256, 72).to(torch.bfloat16)
+    q, scales = quantize_per_channel(lin.weight)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    rows = torch.cat([int8_linear(x[i:i + 1], q, scales.to(torch.bfloat16), lin.bias) for i in range(4)])
+    batch = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # aten._weight_int8pack_mm
+    assert (rows.float() - batch.float()).abs().max() <= 2 ** -7 * batch.float().abs().max()
+
+
+def test_injected_linear_is_the_dispatcher_on_the_stored_weight():
+    from injection.layer import linear
+
+    w = torch.randn(40, 64).bfloat16().t()  # [in, out] as DeepSpeed names it, stored [out, in]
+    b = torch.randn(40).bfloat16()
+    for rows in (1, 3, 40):
+        x = torch.randn(1, rows, 64).bfloat16()
+        packs = PackedWeights()
+        assert torch.equal(linear(x, w, b, packs, gelu=True), kernels.linear(x, w.t(), b, True, packs))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bf16_decode_steps_match_fp32_hf(name, batch, ckpt_factory, padded_batch):
+    """bf16 decode steps of the injected model (weights stored [out, in], no extra copy) on this rung's
+    path for `batch` rows stay within the bf16 tolerance of HF's fp32 forward."""
+    path = ckpt_factory(name)
+    ds = load_backend("deepspeed", path, dtype="bfloat16")
+    hf = load_backend("hf", path)
+    _, ids, mask = padded_batch
+    ids, mask = ids[-batch:], mask[-batch:]
+    dec = ds.decoder(batch, ids.shape[1] + 3)
+    pos = position_ids(mask)
+    dec.prefill(ids, mask, pos)
+    layer = ds.model.transformer.h[0]
+    for owner, attr in (("attention", "attn_qkvw"), ("attention", "attn_ow"), ("mlp", "inter_w"), ("mlp", "output_w")):
+        assert getattr(getattr(layer, owner), attr).t().is_contiguous()
+    nxt = torch.tensor([5, 7, 11]).repeat(batch, 1)
+    steps = []
+    for i in range(3):
+        full = torch.cat([mask, torch.ones(batch, i + 1, dtype=mask.dtype)], 1)
+        steps.append(dec.decode(nxt[:, i:i + 1], full, pos[:, -1:] + 1 + i).float())
+    want = hf.logits(torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones(batch, 3, dtype=mask.dtype)], 1))[:, -3:]
+    err = (torch.stack(steps, 1) - want).abs().max().item()
+    assert err <= 1e-2, err
+
+
+def test_backends_name_the_path_their_linears_take(ckpt_factory):
+    path = ckpt_factory("tiny")
+    p = kernels.probe()
+    ds = load_backend("deepspeed", path, dtype="bfloat16")
+    assert ds.linear_paths(4, 32) == {"decode": p.bf16(4), "prefill": p.bf16(128)}
+    q = load_backend("deepspeed", path, dtype="bfloat16", quantize="int8")
+    assert q.linear_paths(1, 32) == {"decode": f"int8 {p.int8(1)}", "prefill": p.bf16(32)}
+    assert load_backend("deepspeed", path).linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}  # fp32
+    assert load_backend("hf", path, dtype="bfloat16").linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}
