@@ -38,9 +38,9 @@ import torch.nn.functional as F
 CSRC = Path(__file__).parent / "csrc"
 RUNGS = ("avx512", "onednn", "avx2", "torch")
 ENV = "PLUGINS_KERNELS"
-# The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles,
-# faster from 4 rows on (measured: 8 santacoder-1b weights, 3 rows 7.7 vs 11.9 ms, 4 rows 14.2 vs 11.9).
-KERNEL_ROWS = 3
+# The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles
+# (measured, 8 santacoder-1b weights: 8 rows 13.0 vs 15.5 ms, 12 rows 24.3 vs 18.6 ms).
+KERNEL_ROWS = 8
 # torch.cpu.get_capabilities() names each kernel needs, and the flags it is compiled with
 KERNEL_ISA = {
     "avx512": (("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni"),
@@ -91,9 +91,13 @@ def capabilities() -> dict:
 
 
 def onednn_packs_bf16() -> bool:
-    """Whether oneDNN can pack bf16 weights here (it raises on CPUs without AVX512BW/VL/DQ or
-    AVX-NE-CONVERT, e.g. AVX2-only EPYCs): torch's own check, then a real 2x2 pack."""
+    """Whether oneDNN has a fast bf16 GEMM here. It raises on CPUs without AVX512BW/VL/DQ or
+    AVX-NE-CONVERT (e.g. AVX2-only EPYCs), and runs a slow path when ONEDNN_MAX_CPU_ISA caps it
+    below AVX512: torch's own check, the cap, then a real 2x2 pack."""
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    if not cap.startswith(("ALL", "AVX512", "AVX10", "AMX", "AVX2_VNNI_2")):
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=torch.bfloat16), 1)

@@ -1,6 +1,6 @@
 // Decode linears on x86 CPUs with AVX2 + FMA only (no AVX512, no native bf16 arithmetic); see
 // common.h for the scheme.
-//   linear:      bf16 weights widened to fp32 in registers (a bf16 is the top half of an fp32),
+//   linear:      bf16 weights widened to fp32 in registers (a shift or a mask: see load_block),
 //                FMA against the input rows converted to fp32 once per call.
 //   linear_int8: int8 weights widened to int16, vpmaddwd against activations as 16-bit fixed
 //                point (exact int32 pair sums), flushed to int64 before they could overflow.
@@ -14,19 +14,6 @@ namespace {
 
 using namespace decode;
 
-// 8 bf16 -> 8 fp32 (shift into the high half); `remaining` < 8 reads only that many.
-inline __m256 load_bf16x8(const bf16* p, int64_t remaining) {
-  __m128i raw;
-  if (remaining >= 8) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
-    alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < remaining; ++i) tmp[i] = reinterpret_cast<const uint16_t*>(p)[i];
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -34,44 +21,65 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// x rows in fp32, zero padded to K16 (a multiple of 16): reading past K adds nothing.
+// A bf16 is the top half of an fp32. Sixteen bf16 loaded as eight 32-bit lanes hold the odd
+// elements in their high halves (lane & 0xffff0000 is element 2i+1 as fp32) and the even ones in
+// their low halves (lane << 16 is element 2i): two cheap ALU ops widen 16 weights, no shuffles.
+// The input rows are stored to match: each 16-element block as its 8 even then its 8 odd elements.
+constexpr int64_t BLOCK = 16;
+constexpr int CHAINS = 4;  // accumulators per row: 2 blocks per step, even and odd halves
+constexpr int64_t PREFETCH_BYTES = 1024;
+
 struct FloatRows {
-  int64_t K16;
-  std::vector<float> data;  // [M, K16]
+  int64_t K32;              // K rounded up to a whole step (2 blocks), zero padded
+  std::vector<float> data;  // [M, K32], each block de-interleaved (evens, then odds)
 };
 
 FloatRows to_float_rows(const bf16* x, int64_t M, int64_t K) {
   FloatRows f;
-  f.K16 = (K + 15) / 16 * 16;
-  f.data.assign(M * f.K16, 0.0f);
+  f.K32 = (K + 2 * BLOCK - 1) / (2 * BLOCK) * (2 * BLOCK);
+  f.data.assign(M * f.K32, 0.0f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) f.data[m * f.K16 + k] = static_cast<float>(x[m * K + k]);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t block = k / BLOCK * BLOCK, i = k % BLOCK;
+      f.data[m * f.K32 + block + (i % 2) * (BLOCK / 2) + i / 2] = static_cast<float>(x[m * K + k]);
+    }
   return f;
 }
 
-// dot[m] = x[m0 + m, :] . w for MT rows. Four accumulator chains per row (one per 8-element
-// chunk of a 32-element step): FMA latency is 4 cycles, so one chain per row would stall a
-// one-row step at half the memory system's pace. Each widened weight chunk is used by every row
-// before the next is loaded, so MT * 4 accumulators + 1 weight register stay in the 16 ymm registers.
-constexpr int CHAINS = 4;
+// 16 bf16 weights (zero past `remaining`) -> even and odd elements as fp32.
+inline void load_block(const bf16* p, int64_t remaining, __m256& even, __m256& odd) {
+  __m256i raw;
+  if (remaining >= BLOCK) {
+    raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    alignas(32) uint16_t tmp[BLOCK] = {0};
+    for (int64_t i = 0; i < std::max<int64_t>(remaining, 0); ++i) tmp[i] = reinterpret_cast<const uint16_t*>(p)[i];
+    raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+  }
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 
+// dot[m] = x[m0 + m, :] . w for MT rows: four accumulator chains per row (FMA latency is 4
+// cycles: one chain would stall a one-row step at half the memory system's pace); a widened
+// weight vector is used by every row before the next, so MT * 4 accumulators stay in registers.
 template <int MT>
 void dots_bf16(const FloatRows& f, int64_t m0, const bf16* w, int64_t K, float* dot) {
   __m256 acc[MT][CHAINS];
   for (int m = 0; m < MT; ++m)
     for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_ps();
-  const float* x = f.data.data() + m0 * f.K16;
-  int64_t k = 0;
-  for (; k + 8 * CHAINS <= K; k += 8 * CHAINS) {
-    for (int c = 0; c < CHAINS; ++c) {
-      const __m256 wv = load_bf16x8(w + k + 8 * c, 8);
-      for (int m = 0; m < MT; ++m)
-        acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * f.K16 + k + 8 * c), acc[m][c]);
+  const float* x = f.data.data() + m0 * f.K32;
+  for (int64_t k = 0; k < K; k += 2 * BLOCK) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+    for (int b = 0; b < 2; ++b) {  // one block at a time: MT * 4 accumulators + 2 weight registers
+      __m256 even, odd;
+      load_block(w + k + b * BLOCK, K - k - b * BLOCK, even, odd);
+      for (int m = 0; m < MT; ++m) {
+        const float* xb = x + m * f.K32 + k + b * BLOCK;
+        acc[m][2 * b] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xb), acc[m][2 * b]);
+        acc[m][2 * b + 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xb + BLOCK / 2), acc[m][2 * b + 1]);
+      }
     }
-  }
-  for (int c = 0; k < K; k += 8, ++c) {  // at most three full chunks and one partial; x is zero past K
-    const __m256 wv = load_bf16x8(w + k, K - k);
-    for (int m = 0; m < MT; ++m) acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * f.K16 + k), acc[m][c]);
   }
   for (int m = 0; m < MT; ++m)
     dot[m] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
