@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-from plugins.backend import resolve_dtype
-from plugins.checkpoint import atomic_dir
+from plugins.core.backend import resolve_dtype
+from plugins.core.checkpoint import atomic_dir
+from plugins.core.config import kv_heads as kv_heads_of
 
-from .mapping import ConversionError, Shape, hf_to_mcore, mcore_to_hf, pool_kv_heads, query_groups  # noqa: F401
+from .mapping import ConversionError, Layout, pool_kv_heads
 
 FORMATS = {  # format name -> module
     "hf": "converters.hf",
-    "megatron": "converters.megatron_core",  # dist_checkpointing; owned by the megatron adapter
+    "megatron": "converters.megatron_core",  # megatron-core dist_checkpointing (torch_dist)
     "megatron-legacy": "converters.megatron_legacy",
     "bigcode-megatron": "converters.bigcode_megatron",
 }
@@ -62,8 +63,8 @@ def verify(config, hub: dict, config2, hub2: dict) -> None:
                                   f"wrote {getattr(config, k)!r}")
     if (config.n_inner or 4 * config.n_embd) != (config2.n_inner or 4 * config2.n_embd):
         raise ConversionError("verification failed: n_inner differs")
-    if query_groups(config) != query_groups(config2):
-        raise ConversionError(f"verification failed: {query_groups(config2)} KV heads, wrote {query_groups(config)}")
+    if kv_heads_of(config) != kv_heads_of(config2):
+        raise ConversionError(f"verification failed: {kv_heads_of(config2)} KV heads, wrote {kv_heads_of(config)}")
     if set(hub) != set(hub2):
         raise ConversionError(f"verification failed: tensors differ: {sorted(set(hub) ^ set(hub2))[:5]}")
     for name, t in hub.items():
@@ -103,7 +104,7 @@ def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, kv_hea
     if cast is not None:
         hub = {k: v.to(cast) for k, v in hub.items()}
     # Refuse what the writer would refuse before creating anything.
-    Shape(config, tp_size, None, "mcore" if dst_format == "megatron" else "legacy")
+    Layout(config, tp_size, None, "mcore" if dst_format == "megatron" else "legacy")
     if hasattr(writer, "check_writable"):
         writer.check_writable(config, tp_size)
 
@@ -116,6 +117,6 @@ def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, kv_hea
         del hub2
     n_bytes = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
     return {"src": str(src), "dst": str(dst), "from": src_format, "to": dst_format, "tp_size": tp_size,
-            "kv_heads": query_groups(config), "tensors": len(hub),
+            "kv_heads": kv_heads_of(config), "tensors": len(hub),
             "params": sum(t.numel() for t in hub.values()), "bytes": n_bytes,
             "seconds": time.perf_counter() - t0}

@@ -4,27 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import GPTBigCodeConfig
 
-from plugins.checkpoint import WEIGHTS_NAME, read_hf_config
+from plugins.core.checkpoint import WEIGHTS_NAME, read_hf_config, read_hf_state
+from plugins.core.config import ConfigError, kv_heads
 
-from .mapping import ConversionError, check_hf_state, query_groups
+from .mapping import ConversionError, check_hf_state
 
 
 def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
     src = Path(src)
-    config = read_hf_config(src)
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ConversionError(f"{src} has no *.safetensors weights")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConversionError(f"cannot read {f}: {e}") from None
+    try:
+        config, state = read_hf_config(src), read_hf_state(src)
+    except ConversionError:
+        raise
+    except ConfigError as e:
+        raise ConversionError(str(e)) from None
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     check_hf_state(state, config, what=str(src))
@@ -35,7 +31,7 @@ def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
     """Everything `write` would refuse, checked before any work."""
     if tp_size != 1:
         raise ConversionError(f"the HF format has no tensor parallelism (got tp_size={tp_size}); use --tp 1")
-    groups = query_groups(config)
+    groups = kv_heads(config)
     if groups not in (1, config.n_head):
         raise ConversionError(f"HF gpt_bigcode supports only MQA (1 KV head) or MHA ({config.n_head} KV heads), "
                               f"not {groups} KV heads; write GQA to a Megatron format instead")

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
-from plugins.config import ConfigError, kv_heads
+from plugins.core.backend import FLOAT_DTYPES
+from plugins.core.config import TANH_GELUS, ConfigError, check_tp, head_dim, kv_heads
 
 DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by (multiplied by TP)
 DIALECTS = ("mcore", "legacy", "bigcode")
@@ -44,34 +45,40 @@ class ConversionError(ConfigError):
 
 # --------------------------------------------------------------------------- model geometry
 
-def query_groups(config: GPTBigCodeConfig) -> int:
-    """KV heads: 1 for MQA, n_head for MHA, `config.num_query_groups` for (Megatron-only) GQA."""
-    return kv_heads(config)
-
-
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = DIVISIBLE_BY) -> int:
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
 
-class Shape:
-    """What the rules need to know about the model and the TP layout."""
+def check_megatron_config(config: GPTBigCodeConfig, tp_size: int, dialect: str) -> None:
+    """What Megatron formats can express at this TP size, refused before any work."""
+    Layout(config, tp_size, None, dialect)
+    if config.activation_function not in TANH_GELUS + ("gelu",):
+        raise ConversionError(f"activation {config.activation_function!r} has no Megatron equivalent; "
+                              f"use one of {', '.join(TANH_GELUS + ('gelu',))}")
+    if getattr(config, "add_cross_attention", False):
+        raise ConversionError("cross-attention gpt_bigcode models are not supported")
+
+
+def stored_dtype(hf_state: dict) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in (they share one: converters cast them together)."""
+    return next(t.dtype for t in hf_state.values() if t.dtype in FLOAT_DTYPES)
+
+
+class Layout:
+    """A TP layout of one model in one dialect, checked: what the partition rules need to know."""
 
     def __init__(self, config: GPTBigCodeConfig, tp: int, padded_vocab: int | None, dialect: str):
         if dialect not in DIALECTS:
             raise ConversionError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ConversionError(f"tp_size must be a positive integer, got {tp!r}")
-        self.n_head, self.groups, self.tp, self.dialect = config.n_head, query_groups(config), tp, dialect
-        self.head_dim = config.n_embd // config.n_head
+        try:
+            check_tp(config, tp)
+        except ConfigError as e:
+            raise ConversionError(str(e)) from None
+        self.n_head, self.groups, self.tp, self.dialect = config.n_head, kv_heads(config), tp, dialect
+        self.head_dim = head_dim(config)
         self.vocab = config.vocab_size
         self.padded_vocab = padded_vocab or padded_vocab_size(config.vocab_size, tp)
-        if config.n_head % tp:
-            raise ConversionError(f"tp_size {tp} does not divide n_head {config.n_head}")
-        if self.n_head % self.groups:
-            raise ConversionError(f"{self.groups} KV heads do not divide n_head {self.n_head}")
-        if self.groups % tp and tp % self.groups:
-            raise ConversionError(f"tp_size {tp} and {self.groups} KV heads: one must divide the other")
         if self.padded_vocab < self.vocab or self.padded_vocab % tp:
             raise ConversionError(f"padded vocab {self.padded_vocab} must be >= vocab_size {self.vocab} "
                                   f"and divisible by tp_size {tp}")
@@ -211,7 +218,7 @@ BIGCODE_MQA = {
 }
 
 
-def entries(config: GPTBigCodeConfig, s: Shape):
+def entries(config: GPTBigCodeConfig, s: Layout):
     """(layer or None, HF name, [(Megatron name, rule), ...]) for every hub tensor, in model order."""
     col = 1 if s.dialect == "mcore" else 2
     for row in TABLE:
@@ -236,7 +243,7 @@ def _by_layer(config, s):
 
 def hf_shapes(config: GPTBigCodeConfig) -> dict[str, tuple[int, ...]]:
     """Expected hub tensor shapes (HF names; lm_head only when untied)."""
-    h, d, g = config.n_embd, config.n_embd // config.n_head, query_groups(config)
+    h, d, g = config.n_embd, config.n_embd // config.n_head, kv_heads(config)
     inner = config.n_inner or 4 * h
     shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.wpe.weight": (config.n_positions, h)}
     for i in range(config.n_layer):
@@ -280,7 +287,7 @@ def check_hf_state(hf_state: dict, config: GPTBigCodeConfig, what: str = "HF sta
 def hf_to_megatron(hf_state: dict, config: GPTBigCodeConfig, dialect: str, tp_size: int = 1,
                    padded_vocab_size: int | None = None, progress=None) -> list[dict]:
     """Hub -> one flat state dict per TP rank, in the given dialect's names."""
-    s = Shape(config, tp_size, padded_vocab_size, dialect)
+    s = Layout(config, tp_size, padded_vocab_size, dialect)
     check_hf_state(hf_state, config)
     ranks = [{} for _ in range(tp_size)]
     if progress is not None:
@@ -304,7 +311,7 @@ def megatron_to_hf(rank_states: list[dict], config: GPTBigCodeConfig, dialect: s
         name = TABLE[0][1 if dialect == "mcore" else 2]
         if name in rank_states[0]:
             padded_vocab_size = rank_states[0][name].shape[0] * tp
-    s = Shape(config, tp, padded_vocab_size, dialect)
+    s = Layout(config, tp, padded_vocab_size, dialect)
     items = _by_layer(config, s)
     want = {name for _, _, targets in items for name, _ in targets}
     for r, state in enumerate(rank_states):
@@ -359,17 +366,17 @@ def with_groups(config: GPTBigCodeConfig, groups: int) -> GPTBigCodeConfig:
     return new
 
 
-def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, kv_heads: int):
-    """Mean-pool adjacent K and V heads into `kv_heads` groups (Ainslie et al. 2023, GQA).
+def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, target: int):
+    """Mean-pool adjacent K and V heads into `target` groups (Ainslie et al. 2023, GQA).
 
-    Returns (config, hub state); the queries are untouched. `kv_heads` must divide the current
+    Returns (config, hub state); the queries are untouched. `target` must divide the current
     number of KV heads (MHA -> MQA/GQA, or GQA -> fewer groups).
     """
-    g, n, d = query_groups(config), config.n_head, config.n_embd // config.n_head
-    if not isinstance(kv_heads, int) or kv_heads < 1 or g % kv_heads or n % kv_heads:
-        raise ConversionError(f"kv_heads={kv_heads!r}: must be a positive divisor of the {g} KV heads "
+    g, n, d = kv_heads(config), config.n_head, config.n_embd // config.n_head
+    if not isinstance(target, int) or isinstance(target, bool) or target < 1 or g % target or n % target:
+        raise ConversionError(f"kv_heads={target!r}: must be a positive divisor of the {g} KV heads "
                               f"of the source (n_head {n})")
-    if kv_heads == g:
+    if target == g:
         return config, hf_state
     out = dict(hf_state)
     for i in range(config.n_layer):
@@ -378,7 +385,7 @@ def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, kv_heads: int):
             t = hf_state[name]
             rest = t.shape[1:]
             grouped = t.reshape(g, n // g + 2, d, *rest)  # per group [q heads | k | v]
-            q = grouped[:, : n // g].reshape(kv_heads, n // kv_heads, d, *rest)
-            kv = grouped[:, n // g:].reshape(kv_heads, g // kv_heads, 2, d, *rest).float().mean(1).to(t.dtype)
+            q = grouped[:, : n // g].reshape(target, n // target, d, *rest)
+            kv = grouped[:, n // g:].reshape(target, g // target, 2, d, *rest).float().mean(1).to(t.dtype)
             out[name] = torch.cat([q, kv], 1).reshape(-1, *rest)
-    return with_groups(config, kv_heads), out
+    return with_groups(config, target), out

@@ -1,116 +1,246 @@
-"""The megatron-core `dist_checkpointing` format (what `GPTModel.sharded_state_dict()` saves).
+"""The megatron-core `dist_checkpointing` format (`torch_dist`: what `GPTModel.sharded_state_dict()`
+saves and megatron-core / Megatron-LM load), read and written as plain state dicts, no model.
 
-A directory holds megatron-core's own files (`metadata.json`, `common.pt`, `.metadata`,
-`__*_*.distcp`) plus ours: `config.json` (the HF `GPTBigCodeConfig`) and `megatron.json`
-(dtype, padded vocabulary, the TP size it was written at). Tensors are stored as global
-tensors (layers stacked, layernorms under Transformer-Engine names), so a checkpoint written at
-one TP size loads at any other: megatron-core reshards on load.
+A directory holds megatron-core's files (`metadata.json`, `common.pt`, torch.distributed.checkpoint's
+`.metadata` and `__R_T.distcp`) plus ours: `config.json` (the HF `GPTBigCodeConfig`) and
+`megatron.json` (dtype, padded vocabulary, the TP size the vocabulary was padded for). Tensors are
+global: per-layer tensors stacked on a leading layer axis under `decoder.layers.<name>`, layer
+norms under the names megatron-core's local layer spec maps them to (`LAYER_KEYS` below), and one
+`_extra_state` object per linear layer and layer. A checkpoint loads at any TP size: megatron-core
+reshards on load, and so do we (converters.mapping).
 
-Reading and writing go through a real `GPTModel` (TP=1 in this process, or TP ranks started by
-plugins.launcher), so megatron-core's own sharding code decides the on-disk layout; names and
-TP splits come from converters.mapping.
+Reading never unpickles anything but an allow-list of torch.distributed.checkpoint's own metadata
+classes (`SafeUnpickler`); tensors are read with `torch.load(weights_only=True)` from the byte
+ranges the metadata names, after every size was checked against the config; `_extra_state`
+objects (pickles: megatron-core loads them with `weights_only=False`) are never read.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import tempfile
+import pickle
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import GPTBigCodeConfig
 
-from converters.mapping import ConversionError, hf_to_mcore, mcore_to_hf
+from plugins.core.backend import FLOAT_DTYPES, dtype_name
+
+from .mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf, padded_vocab_size,
+                      stored_dtype)
 
 FORMAT = "megatron-core dist_checkpointing"
 META_NAME = "megatron.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                  "common_backend_version": 1}
+# megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec(): sharded_state_dict_keys_map
+LAYER_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+LAYER_PREFIX = "decoder.layers."
+# linear layers whose (empty) `_extra_state` megatron-core saves per layer
+EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+# --------------------------------------------------------------------------- names
+
+def layer_key(name: str) -> tuple[str, int | None]:
+    """A megatron-core state-dict name -> (dist-checkpoint key, layer index or None)."""
+    if not name.startswith(LAYER_PREFIX):
+        return name, None
+    index, rest = name[len(LAYER_PREFIX):].split(".", 1)
+    for old, new in LAYER_KEYS.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+    return LAYER_PREFIX + rest, int(index)
+
+
+def dist_tensors(state: dict, n_layer: int) -> dict[str, torch.Tensor]:
+    """The model's full (TP=1) megatron-core state dict -> global dist-checkpoint tensors."""
+    layers, out = {}, {}
+    for name, t in state.items():
+        key, i = layer_key(name)
+        if i is None:
+            out[key] = t
+        else:
+            layers.setdefault(key, [None] * n_layer)[i] = t
+    for key, ts in layers.items():
+        out[key] = torch.stack(ts)
+    return out
+
+
+def mcore_names(dist: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Global dist-checkpoint tensors -> the megatron-core state dict names (inverse of dist_tensors)."""
+    back = {new: old for old, new in LAYER_KEYS.items()}
+    out = {}
+    for key, t in dist.items():
+        if not key.startswith(LAYER_PREFIX):
+            out[key] = t
+            continue
+        rest = key[len(LAYER_PREFIX):]
+        for new, old in back.items():
+            if rest.startswith(new):
+                rest = old + rest[len(new):]
+        for i in range(t.shape[0]):
+            out[f"{LAYER_PREFIX}{i}.{rest}"] = t[i]
+    return out
+
+
+# --------------------------------------------------------------------------- write
+
+def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
+    """Everything `write` would refuse, checked before any work."""
+    check_megatron_config(config, tp_size, "mcore")
+
+
+def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: int = 1, progress=None) -> None:
+    """Write `hf_state` as a megatron-core dist checkpoint into an existing (empty) directory.
+
+    The vocabulary is padded for `tp_size` (a multiple of 128 x TP, as Megatron pads it)."""
+    import torch.distributed.checkpoint as dcp
+
+    check_writable(config, tp_size)
+    dst = Path(dst)
+    padded = padded_vocab_size(config.vocab_size, tp_size)
+    state = hf_to_megatron(hf_state, config, "mcore", 1, padded, progress=progress)[0]
+    tensors = dist_tensors(state, config.n_layer)
+    # a local-spec linear's extra state, as megatron-core stores it: torch.save of [None]
+    objects = {f"{LAYER_PREFIX}{m}._extra_state/shard_{i}_{config.n_layer}": [None]
+               for m in EXTRA_STATE for i in range(config.n_layer)}
+    # as megatron-core saves: keys not flattened; the planner torch.saves each object
+    dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(str(dst), thread_count=1),
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    torch.save({}, dst / "common.pt")
+    (dst / "metadata.json").write_text(json.dumps(MCORE_METADATA))
+    config.to_json_file(dst / "config.json")
+    meta = {"format": FORMAT, "tp_size": tp_size, "dtype": dtype_name(stored_dtype(hf_state)),
+            "padded_vocab_size": padded}
+    (dst / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- read
+
+_DCP = "torch.distributed.checkpoint."
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's `.metadata` pickle, with only its own dataclasses, torch sizes,
+    dtypes and layouts allowed: any other global (a code-running payload) is refused."""
+
+    ALLOWED = {
+        (_DCP + "metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                         "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
+                                         "_MEM_FORMAT_ENCODING")
+    } | {(_DCP + "filesystem", "_StorageInfo")} | {
+        (_DCP + "planner", n) for n in ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")
+    } | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+         ("pathlib", "PosixPath")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                              torch.dtype)):
+            return super().find_class(module, name)
+        raise ConversionError(f"refusing to load {module}.{name} from a checkpoint's .metadata "
+                              "(only torch.distributed.checkpoint's own metadata is read)")
 
 
 def read_meta(src: str | Path) -> dict:
     src = Path(src)
-    if not (src / META_NAME).is_file() or not (src / "metadata.json").is_file():
-        raise ConversionError(f"{src} is not a megatron-core checkpoint written by this project "
-                              f"(needs {META_NAME} and metadata.json)")
-    return json.loads((src / META_NAME).read_text())
+    for name in (META_NAME, "metadata.json", "config.json", ".metadata"):
+        if not (src / name).is_file():
+            raise ConversionError(f"{src} is not a megatron-core checkpoint written by this project (no {name})")
+    try:
+        meta = json.loads((src / META_NAME).read_text())
+        backend = json.loads((src / "metadata.json").read_text()).get("sharded_backend")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ConversionError(f"{src}: {META_NAME} or metadata.json is not valid JSON ({e})") from None
+    if backend != "torch_dist":
+        raise ConversionError(f"{src}: sharded backend {backend!r}; only megatron-core's torch_dist is read")
+    if not isinstance(meta, dict) or not isinstance(meta.get("padded_vocab_size"), int):
+        raise ConversionError(f"{src}/{META_NAME}: expected a mapping with an integer padded_vocab_size")
+    return meta
 
 
 def read_config(src: str | Path) -> GPTBigCodeConfig:
     read_meta(src)
-    return GPTBigCodeConfig.from_json_file(Path(src) / "config.json")
+    try:
+        return GPTBigCodeConfig.from_json_file(Path(src) / "config.json")
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError) as e:
+        raise ConversionError(f"{src}/config.json: not a valid config ({e})") from None
 
 
-def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
-    """Everything `write` would refuse, checked before any work."""
-    from plugins.megatron.model import check_config
-
-    check_config(config, tp_size)
-
-
-def _dtype_of(hf_state: dict) -> torch.dtype:
-    return next(t.dtype for t in hf_state.values() if t.is_floating_point())
-
-
-def save_model(model, config: GPTBigCodeConfig, dst: str | Path) -> None:
-    """Every rank of `model` calls this; rank 0 also writes config.json and megatron.json."""
-    import megatron.core
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
-
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)  # dist_checkpointing expects the directory to exist
-    dist_checkpointing.save(model.sharded_state_dict(), str(dst))
-    if dist.get_rank() == 0:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        weights = model.embedding.word_embeddings.weight
-        meta = {"format": FORMAT, "megatron_core": megatron.core.__version__, "tp_size": tp,
-                "dtype": str(weights.dtype).removeprefix("torch."), "padded_vocab_size": weights.shape[0] * tp}
-        config.to_json_file(dst / "config.json")
-        (dst / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-    dist.barrier()
+def read_metadata(src: Path):
+    try:
+        with open(src / ".metadata", "rb") as f:
+            metadata = SafeUnpickler(f).load()
+    except ConversionError:
+        raise
+    except Exception as e:  # truncated or corrupt pickle
+        raise ConversionError(f"cannot read {src / '.metadata'}: {type(e).__name__}: {e}") from None
+    if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
+        raise ConversionError(f"{src / '.metadata'}: not torch.distributed.checkpoint metadata")
+    return metadata
 
 
-def load_model(src: str | Path, tp_size: int = 1, attention: str = "sdpa"):
-    """This rank's GPTModel with the checkpoint's weights, in the checkpoint's dtype."""
-    from megatron.core import dist_checkpointing
+def expected_shapes(config: GPTBigCodeConfig, padded: int) -> dict[str, tuple]:
+    """Global shape of every tensor the checkpoint must hold (from the mapping table, on meta tensors)."""
+    from .mapping import hf_shapes
 
-    from plugins.megatron.model import build_model, init_parallel, load_rank_state
-
-    meta, config = read_meta(src), read_config(src)
-    init_parallel(tp_size)
-    model = build_model(config, tp_size, _DTYPES[meta["dtype"]], padded_vocab=meta["padded_vocab_size"],
-                        attention=attention)
-    load_rank_state(model, dist_checkpointing.load(model.sharded_state_dict(), str(src)), f"{src}: tensors")
-    return model, config
+    meta = {k: torch.empty(v, device="meta") for k, v in hf_shapes(config).items()}
+    state = hf_to_megatron(meta, config, "mcore", 1, padded)[0]
+    return {k: tuple(t.shape) for k, t in dist_tensors(state, config.n_layer).items()}
 
 
-def read(src: str | Path) -> tuple[GPTBigCodeConfig, dict]:
+def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
     """(config, HF-named full state dict) from a megatron-core dist checkpoint."""
-    model, config = load_model(src, tp_size=1)
-    return config, mcore_to_hf([model.state_dict()], config)
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-
-def write(config: GPTBigCodeConfig, hf_state: dict, dst_tmp_dir: str | Path, tp_size: int = 1) -> None:
-    """Write `hf_state` as a megatron-core dist checkpoint into an existing (empty) directory.
-
-    tp_size=1 builds the model here; tp_size > 1 saves from tp_size ranks started by
-    plugins.launcher (the files are then written per rank, as a TP run would).
-    """
-    from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
-
-    check_config(config, tp_size)
-    dtype = _dtype_of(hf_state)
-    if tp_size == 1:
-        init_parallel(1)
-        model = build_model(config, 1, dtype)
-        load_rank_state(model, hf_to_mcore(hf_state, config, 1)[0])
-        save_model(model, config, dst_tmp_dir)
-        return
-    from plugins.launcher import RemoteBackend
-
-    with tempfile.TemporaryDirectory(prefix="megatron-write-") as hf_dir:
-        config.save_pretrained(hf_dir)
-        save_file({k: v.contiguous() for k, v in hf_state.items()}, Path(hf_dir) / "model.safetensors")
-        with RemoteBackend("megatron", hf_dir, dtype=dtype, tp_size=tp_size) as ranks:
-            ranks.save_megatron(str(dst_tmp_dir))
+    src = Path(src)
+    meta, config = read_meta(src), read_config(src)
+    check_megatron_config(config, 1, "mcore")
+    padded = meta["padded_vocab_size"]
+    want = expected_shapes(config, padded)
+    metadata = read_metadata(src)
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ConversionError(f"{src}: tensors do not match config.json (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+    files = {}
+    for key, md in tensors.items():  # every size checked before anything is allocated
+        if tuple(md.size) != want[key]:
+            raise ConversionError(f"{src}: {key} has shape {tuple(md.size)}, config.json says {want[key]}")
+        if md.properties.dtype not in FLOAT_DTYPES:
+            raise ConversionError(f"{src}: {key} is {md.properties.dtype}, not a floating-point weight")
+        for chunk in md.chunks:
+            info = metadata.storage_data.get(MetadataIndex(key, torch.Size(chunk.offsets)))
+            if info is None or info.transform_descriptors:
+                raise ConversionError(f"{src}: {key} has a chunk without plain storage")
+            path = (src / info.relative_path).resolve()
+            if path.parent != src.resolve() or not path.is_file():
+                raise ConversionError(f"{src}: {key} is stored in {info.relative_path!r}, not a file of the checkpoint")
+            size = files.setdefault(path, path.stat().st_size)
+            nbytes = torch.Size(chunk.sizes).numel() * md.properties.dtype.itemsize
+            if info.offset < 0 or info.length < nbytes or info.offset + info.length > size:
+                raise ConversionError(f"{src}: {key} lies outside {path.name} (truncated checkpoint?)")
+    dist = {}
+    for key, md in tensors.items():
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        covered = 0
+        for chunk in md.chunks:
+            info = metadata.storage_data[MetadataIndex(key, torch.Size(chunk.offsets))]
+            with open(src / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            try:
+                part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ConversionError(f"{src}: cannot read {key}: {type(e).__name__}: {e}") from None
+            if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
+                raise ConversionError(f"{src}: {key} chunk at {tuple(chunk.offsets)} is not a {tuple(chunk.sizes)} tensor")
+            full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = part
+            covered += part.numel()
+        if covered != full.numel():
+            raise ConversionError(f"{src}: the chunks of {key} do not cover the tensor")
+        dist[key] = full
+    return config, megatron_to_hf([mcore_names(dist)], config, "mcore", padded, progress=progress)

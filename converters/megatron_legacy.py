@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from transformers import GPTBigCodeConfig
 
-from .mapping import ConversionError, hf_to_megatron, megatron_to_hf, padded_vocab_size, query_groups, with_groups
+from plugins.core.config import TANH_GELUS, kv_heads
+
+from .mapping import ConversionError, hf_to_megatron, megatron_to_hf, padded_vocab_size, with_groups
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
-TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
 # --------------------------------------------------------------------------- write
@@ -31,7 +32,7 @@ TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 def make_args(config: GPTBigCodeConfig, tp_size: int, padded_vocab: int) -> Namespace:
     if config.activation_function not in TANH_GELUS + ("gelu",):
         raise ConversionError(f"activation {config.activation_function!r} has no Megatron equivalent")
-    groups = query_groups(config)
+    groups = kv_heads(config)
     h = config.n_embd
     return Namespace(
         num_layers=config.n_layer, hidden_size=h, ffn_hidden_size=config.n_inner or 4 * h,

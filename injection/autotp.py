@@ -16,8 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
+from plugins.core.config import check_tp
+
 from . import compat
-from .tp import check_tp
 
 
 @contextmanager
@@ -34,7 +35,7 @@ def _head_grain(config):
 def init_autotp(model, tp_size: int, dtype: torch.dtype = torch.float32, **kwargs):
     import deepspeed
 
-    check_tp(model.config.n_head, tp_size)
+    check_tp(model.config, tp_size)
     compat.patch_comm()
     with _head_grain(model.config):
         engine = deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=False,

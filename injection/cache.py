@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from plugins.core.config import head_dim, kv_heads_per_rank
+
 
 class SingleHeadLayer(CacheLayerMixin):
     """One layer's preallocated K/V. `capacity` tokens; allocated on first `update` (or `allocate`)."""
@@ -84,9 +86,8 @@ class SingleHeadCache(Cache):
             raise ValueError(f"max_length {max_length} exceeds n_positions {config.n_positions}")
         super().__init__(layers=[SingleHeadLayer(max_length) for _ in range(config.n_layer)])
         if batch is not None and dtype is not None:
-            kv_heads = 1 if config.multi_query else config.n_head // tp_size
             for layer in self.layers:
-                layer.allocate(batch, kv_heads, config.n_embd // config.n_head, dtype, device)
+                layer.allocate(batch, kv_heads_per_rank(config, tp_size), head_dim(config), dtype, device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized

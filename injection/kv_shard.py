@@ -19,7 +19,7 @@ Each rank caches ceil(B / N) sequences.
 
     engine = deepspeed.init_inference(model, replace_with_kernel_inject=True, tensor_parallel={"tp_size": 2}, ...)
     injection.kv_shard.shard_kv_by_batch(engine.module)
-    # or: plugins.backend.load_backend("deepspeed", hf_dir, tp_size=2, kv_layout="batch")
+    # or: plugins.load_backend("deepspeed", hf_dir, tp_size=2, kv_layout="batch")
 
 torch.distributed's gloo backend supports `all_to_all_single` (bf16 and fp32 included), used here.
 """
@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-KV_LAYOUTS = ("head", "batch")
+from plugins.core.config import KV_LAYOUTS, ConfigError
 
 
-class KVLayoutError(ValueError):
-    pass
+class KVLayoutError(ConfigError):
+    """A KV layout that cannot apply to this model or TP size."""
 
 
 def check_kv_layout(kv_layout: str, multi_query: bool, tp_size: int) -> None:

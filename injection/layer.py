@@ -33,7 +33,7 @@ from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp,
 
 from plugins import kernels
 from plugins.kernels import PackedWeights
-from plugins.quant import int8_linear, quantize_per_channel
+from plugins.kernels.quant import int8_linear, quantize_per_channel
 
 from . import compat
 from .cache import layer_cache

@@ -14,11 +14,10 @@ from deepspeed.module_inject.policy import TransformerPolicy
 from deepspeed.utils.types import ActivationFuncType
 from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
 
-from .layer import DeepSpeedGPTBigCodeInference
-from .tp import check_tp, qkv_rows
+from plugins.core.config import TANH_GELUS, check_tp, kv_heads, kv_heads_per_rank
 
-# HF activation names that are the tanh approximation (the one our MLP computes).
-TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+from .layer import DeepSpeedGPTBigCodeInference
+from .tp import qkv_rows
 
 
 class GPTBigCodePolicy(TransformerPolicy):
@@ -36,7 +35,7 @@ class GPTBigCodePolicy(TransformerPolicy):
         if config.add_cross_attention:
             raise ValueError("gpt_bigcode injection does not support cross-attention blocks")
         self.scale_attention = config.scale_attn_weights
-        self.kv_heads = 1 if config.multi_query else config.n_head
+        self.kv_heads = kv_heads(config)
 
     def get_hidden_heads(self):
         block = self.client_module
@@ -58,7 +57,7 @@ class GPTBigCodePolicy(TransformerPolicy):
 class GPTBigCodeContainer(BaseTransformerContainer):
 
     def create_ds_model_config(self):
-        check_tp(self.policy.get_hidden_heads()[1], self.mp_size)
+        check_tp(self.child.attn.config, self.mp_size)
         super().create_ds_model_config()
         self.ds_model_config.num_kv = self.policy.kv_heads  # [Q | K(num_kv) | V(num_kv)] sizes attn_qkvw
         self.ds_model_config.scale_attention = self.scale_attention
@@ -66,11 +65,10 @@ class GPTBigCodeContainer(BaseTransformerContainer):
 
     def create_module(self, config=None):
         config = config if config is not None else self.ds_model_config
-        heads, mp = config.heads, self.mp_size
-        head_dim = config.hidden_size // heads
+        head_dim = config.hidden_size // config.heads
         self.module = DeepSpeedGPTBigCodeInference(
             config, mp_group=self.mp_group, layer_idx=self.child.attn.layer_idx,
-            kv_heads=1 if self.policy.kv_heads == 1 else heads // mp,
+            kv_heads=kv_heads_per_rank(self.child.attn.config, self.mp_size),
             max_positions=self.model_config.n_positions,
             scale=head_dim ** -0.5 if self.scale_attention else 1.0)
         return self.module
@@ -78,8 +76,7 @@ class GPTBigCodeContainer(BaseTransformerContainer):
     def attention_qkv_mp(self, mp_replace, reversed_dim=False):
         # Upstream strided_copy cuts [Q|K|V] into 3 equal parts (wrong for MQA, whose K and V are
         # one head each); take this rank's rows by our shard rule instead.
-        cfg = self.child.attn.config
-        rows = qkv_rows(cfg.n_embd, cfg.n_head, cfg.multi_query, mp_replace.gpu_index, self.mp_size)
+        rows = qkv_rows(self.child.attn.config, mp_replace.gpu_index, self.mp_size)
         attn = self.module.attention
         device = attn.attn_qkvw.device
         attn.attn_qkvw = torch.nn.Parameter(self.qkvw[:, rows].contiguous().to(device), requires_grad=False)

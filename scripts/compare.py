@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plugins import bench, bench_report, roofline  # noqa: E402
-from plugins.backend import resolve_dtype  # noqa: E402
-from plugins.config import REPO_ROOT, ConfigError, load_model_config  # noqa: E402
+from plugins.bench import config as bench_config, grid, probes, report, roofline  # noqa: E402
+from plugins.core.backend import resolve_dtype  # noqa: E402
+from plugins.core.config import REPO_ROOT, ConfigError, load_model_config  # noqa: E402
 
 
 def local_hardware(dtype: torch.dtype) -> tuple[roofline.Hardware, dict]:
-    measured = bench.measure_machine(dtype)
+    measured = probes.measure_machine(dtype)
     return roofline.load_hardware("cpu-measured", measured), measured
 
 
@@ -69,14 +69,14 @@ def main(argv=None) -> int:
                 raise ConfigError("--context and --batch must be positive")
             dtype = resolve_dtype(args.dtype, "cuda")
             rows = projection(args.project, args.project_model, args.context, args.batch, dtype)
-            text = "\n".join(bench_report.projection_markdown(rows, args.batch))
+            text = "\n".join(report.projection_markdown(rows, args.batch))
             out.mkdir(parents=True, exist_ok=True)
             (out / "projection.json").write_text(json.dumps(rows, indent=1))
             (out / "projection.md").write_text(text)
             print(text)
             print(f"wrote {out}/projection.md")
             return 0
-        cfg = bench.load_bench_config(args.config)
+        cfg = bench_config.load_bench_config(args.config)
     except ConfigError as exc:
         ap.error(str(exc))
 
@@ -85,15 +85,15 @@ def main(argv=None) -> int:
     print(f"measured: read bandwidth {measured['mem_bw'] / 1e9:.1f} GB/s, {measured['gemm_dtype']} GEMM "
           f"{measured['peak_flops'] / 1e9:.1f} GFLOP/s", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    rows, skipped = bench.run_grid(cfg, local_hw, out, profile=args.profile, progress=not args.no_progress)
+    rows, skipped = grid.run_grid(cfg, local_hw, out, profile=args.profile, progress=not args.no_progress)
     proj = projection(cfg.project, cfg.project_models, cfg.project_context, cfg.project_batches,
                       torch.bfloat16, measured) if cfg.project else []
-    result = {"timestamp": stamp, "config": asdict(cfg), "environment": bench.environment(),
+    result = {"timestamp": stamp, "config": asdict(cfg), "environment": probes.environment(),
               "machine": measured, "skipped": skipped, "rows": rows, "projection": proj,
-              "prediction": bench_report.ratio_summary(rows)}
+              "prediction": report.ratio_summary(rows)}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    bench_report.write_markdown(out / "results.md", result)
-    result["plots"] = bench_report.write_plots(out, rows, cfg.new_tokens)
+    report.write_markdown(out / "results.md", result)
+    result["plots"] = report.write_plots(out, rows, cfg.new_tokens)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print((out / "results.md").read_text())
     print(f"wrote {out}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from converters import FORMATS, WRITABLE, convert  # noqa: E402
-from plugins.config import ConfigError  # noqa: E402
+from plugins.core.config import ConfigError  # noqa: E402
 
 
 def main(argv=None) -> int:

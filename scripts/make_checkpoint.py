@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plugins.backend import resolve_dtype  # noqa: E402
-from plugins.checkpoint import init_model, load_hf_model, save_hf_dir  # noqa: E402
-from plugins.config import load_model_config  # noqa: E402
+from plugins.core.backend import resolve_dtype  # noqa: E402
+from plugins.core.checkpoint import init_model, load_hf_model, save_hf_dir  # noqa: E402
+from plugins.core.config import load_model_config  # noqa: E402
 
 
 def main(argv=None) -> int:

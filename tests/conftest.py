@@ -8,9 +8,9 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from plugins.checkpoint import create_checkpoint  # noqa: E402
-from plugins.config import load_model_config  # noqa: E402
-from plugins.tokenizer import left_pad, load_tokenizer, prompt_token_ids  # noqa: E402
+from plugins.core.checkpoint import create_checkpoint  # noqa: E402
+from plugins.core.config import load_model_config  # noqa: E402
+from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids  # noqa: E402
 
 PROMPT_LENGTHS = (5, 17, 11)  # three prompts of different lengths -> real left padding
 

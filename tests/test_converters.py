@@ -1,7 +1,8 @@
-"""[converters]: the mapping table, TP split/merge, HF <-> Megatron formats, KV pooling, bad inputs."""
+"""Converters (converters/): the mapping table, TP split/merge, HF <-> Megatron formats, KV pooling, bad inputs."""
 
 import importlib.util
 import json
+import os
 from argparse import Namespace
 from pathlib import Path
 
@@ -10,11 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import converters
-from converters import convert, megatron_legacy
+from converters import convert, megatron_core, megatron_legacy
 from converters.mapping import (ConversionError, hf_shapes, hf_to_mcore, mcore_to_hf, padded_vocab_size,
-                                pool_kv_heads, query_groups)
-from plugins.checkpoint import init_model, load_hf_model
-from plugins.config import ConfigError, load_model_config
+                                pool_kv_heads)
+from plugins.core.checkpoint import init_model, load_hf_model
+from plugins.core.config import ConfigError, kv_heads, load_model_config
 from plugins.hf import HFBackend
 
 _spec = importlib.util.spec_from_file_location("convert_script", Path(__file__).parent.parent / "scripts" / "convert.py")
@@ -66,7 +67,7 @@ def test_mcore_shards_have_gptmodel_names_and_shapes(name):
     config = load_model_config(name, tie_word_embeddings=False, vocab_size=50000)
     hub = hub_of(init_model(config))
     ranks = hf_to_mcore(hub, config, tp_size=2)
-    h, d, n, g = 64, 16, 4, query_groups(config)
+    h, d, n, g = 64, 16, 4, kv_heads(config)
     padded = padded_vocab_size(50000, 2)
     assert padded == 50176 and padded % 256 == 0
     r1 = ranks[1]
@@ -243,7 +244,7 @@ def test_mha_to_gqa_is_megatron_only(ckpt_factory, tmp_path):
     # one group per rank: [2 query heads | k | v]
     assert ck["model"]["language_model"]["encoder"]["layers.0.self_attention.query_key_value.weight"].shape == (64, 64)
     config, hub = megatron_legacy.read(tmp_path / "gqa")
-    assert query_groups(config) == 2 and hub["transformer.h.0.attn.c_attn.weight"].shape == (128, 64)
+    assert kv_heads(config) == 2 and hub["transformer.h.0.attn.c_attn.weight"].shape == (128, 64)
     with pytest.raises(ConversionError, match="only MQA"):
         convert(tmp_path / "gqa", tmp_path / "hf", "megatron-legacy", "hf")
     # GQA -> MQA pools further and is HF again
@@ -251,20 +252,102 @@ def test_mha_to_gqa_is_megatron_only(ckpt_factory, tmp_path):
     assert config1.multi_query and hub1["transformer.h.0.attn.c_attn.weight"].shape == (96, 64)
 
 
-# --- megatron-core dist checkpoint (converters/megatron_core.py, owned by the megatron adapter) ---
+# --- megatron-core dist checkpoint (converters/megatron_core.py) ---------------------------------
 
 def test_megatron_core_round_trip_is_bit_exact(ckpt_factory, tmp_path, padded_batch):
     """HF -> megatron (TP=2, MQA: fewer KV heads than ranks) -> HF; MHA shards are covered in memory above."""
-    try:
-        converters.format_module("megatron", write=True)
-    except ConversionError as e:
-        pytest.skip(f"megatron format not landed yet: {e}")
     src = ckpt_factory("tiny")
     convert(src, tmp_path / "mcore", "hf", "megatron", tp_size=2)
     convert(tmp_path / "mcore", tmp_path / "back", "megatron", "hf")
-    (cfg_a, w_a), (cfg_b, w_b) = read_hf(src), read_hf(tmp_path / "back")
+    (_, w_a), (_, w_b) = read_hf(src), read_hf(tmp_path / "back")
     assert w_a.keys() == w_b.keys() and all(torch.equal(w_a[k], w_b[k]) for k in w_a)
     assert max_logit_diff(src, tmp_path / "back", padded_batch) == 0.0
+
+
+def _metadata(d):
+    from converters.megatron_core import read_metadata
+
+    return read_metadata(Path(d)).state_dict_metadata
+
+
+def _add_our_meta(d, padded_vocab, tp_size=1):
+    (Path(d) / "megatron.json").write_text(json.dumps({"format": "megatron-core dist_checkpointing", "tp_size": tp_size,
+                                                       "dtype": "float32", "padded_vocab_size": padded_vocab}))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False, "vocab_size": 50000}], ids=["tied", "untied"])
+def test_megatron_core_files_are_what_megatron_core_saves_and_loads(overrides, ckpt_factory, tmp_path, padded_batch):
+    """Our writer makes the same tensors and objects megatron-core's own save makes for the same GPTModel,
+    megatron-core's own loader loads them strictly, and our reader reads upstream's files bit-exactly."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_upstream import save_upstream_in_process
+    from plugins.megatron import MegatronGPT
+    from plugins.megatron.model import build_model
+
+    src = ckpt_factory("tiny", **overrides)
+    convert(src, tmp_path / "ours", "hf", "megatron")
+    ref = MegatronGPT.from_hf(src)
+    (tmp_path / "upstream").mkdir()
+    save_upstream_in_process(ref.model, ref.config, tmp_path / "upstream")
+    ours, upstream = _metadata(tmp_path / "ours"), _metadata(tmp_path / "upstream")
+    assert ours.keys() == upstream.keys()
+    for key, md in upstream.items():
+        assert type(ours[key]) is type(md), key
+        if hasattr(md, "size"):
+            assert ours[key].size == md.size and ours[key].properties.dtype == md.properties.dtype, key
+
+    fresh = build_model(ref.config, 1)
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "ours"), strict=StrictHandling.RAISE_ALL)
+    fresh.load_state_dict(loaded)
+    _, ids, mask = padded_batch
+    assert torch.equal(MegatronGPT(fresh, ref.config, torch.float32, 1).logits(ids, mask), ref.logits(ids, mask))
+
+    _add_our_meta(tmp_path / "upstream", fresh.embedding.word_embeddings.weight.shape[0])
+    config, hub = megatron_core.read(tmp_path / "upstream")
+    want = hub_of(load_hf_model(src))
+    assert hub.keys() == want.keys() and all(torch.equal(hub[k], want[k]) for k in want)
+
+
+def test_megatron_core_reader_assembles_shards_megatron_core_wrote_from_two_ranks(ckpt_factory, tmp_path):
+    """TP=2 ranks of a real GPTModel save with megatron-core's own writer: every sharded tensor is in two
+    chunks in two files; our reader puts them back together bit-exactly."""
+    from plugins.core.launcher import RemoteBackend
+
+    src = ckpt_factory("tiny-mha")
+    dst = tmp_path / "upstream-tp2"
+    dst.mkdir()
+    tests = Path(__file__).parent
+    with RemoteBackend("megatron_upstream:UpstreamWriter", src, tp_size=2,
+                       env={"PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}) as ranks:
+        ranks.save_upstream(str(dst))
+    assert len(list(dst.glob("__1_*.distcp"))) >= 1  # rank 1 wrote its own files
+    qkv = _metadata(dst)["decoder.layers.self_attention.linear_qkv.weight"]
+    assert len(qkv.chunks) == 4  # 2 layers x 2 TP shards
+    _add_our_meta(dst, 49152, tp_size=2)
+    _, hub = megatron_core.read(dst)
+    want = hub_of(load_hf_model(src))
+    assert hub.keys() == want.keys() and all(torch.equal(hub[k], want[k]) for k in want)
+
+
+def test_megatron_core_metadata_pickle_cannot_run_code(ckpt_factory, tmp_path):
+    """A planted `.metadata` whose pickle would run a command: refused, the command never runs."""
+    import pickle
+
+    convert(ckpt_factory("tiny"), tmp_path / "ckpt", "hf", "megatron")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    for call in (lambda: megatron_core.read(tmp_path / "ckpt"),
+                 lambda: convert(tmp_path / "ckpt", tmp_path / "out", "megatron", "hf")):
+        with pytest.raises(ConversionError, match="refusing to load (posix|os).system"):
+            call()
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 # --- bad inputs: one clear error, nothing left behind -----------------------------------------------
@@ -406,5 +489,5 @@ def test_mha_to_mqa_and_gqa_write_as_megatron_core(ckpt_factory, tmp_path):
         convert(src, tmp_path / f"g{groups}", "hf", "megatron", kv_heads=groups)
         config, hub = mcore.read(tmp_path / f"g{groups}")
         want_config, want = pool_kv_heads(hub0, config0, groups)
-        assert query_groups(config) == groups and config.multi_query == (groups == 1)
+        assert kv_heads(config) == groups and config.multi_query == (groups == 1)
         assert all(torch.equal(hub[k], want[k]) for k in want)

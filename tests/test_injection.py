@@ -1,4 +1,4 @@
-"""[ds-injection]: gpt_bigcode through deepspeed.init_inference(replace_with_kernel_inject=True).
+"""gpt_bigcode through deepspeed.init_inference(replace_with_kernel_inject=True).
 
 Real DeepSpeed, real transformers. Every comparison is against the HF model with the same
 weights (biases and layer norms randomised so they are exercised), on left-padded batches.
@@ -30,9 +30,9 @@ import injection
 from injection import SingleHeadCache, SingleHeadLayer, compat
 from injection.layer import DeepSpeedGPTBigCodeInference, GPTBigCodeMLPGemmOp
 from injection.policy import GPTBigCodeContainer, GPTBigCodePolicy
-from plugins.backend import load_backend, position_ids
-from plugins.checkpoint import load_hf_model
-from plugins.generation import Sampler, generate
+from plugins.core.backend import load_backend, position_ids
+from plugins.core.checkpoint import load_hf_model
+from plugins.core.generation import Sampler, generate
 from plugins.hf import HFBackend
 
 REPO = Path(__file__).resolve().parent.parent

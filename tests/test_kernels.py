@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from plugins import kernels
-from plugins.backend import load_backend, position_ids
+from plugins.core.backend import load_backend, position_ids
 from plugins.kernels import KERNEL_ROWS, PackedWeights, Probe
-from plugins.quant import int8_linear, quantize_per_channel
+from plugins.kernels.quant import int8_linear, quantize_per_channel
 
 pytestmark = pytest.mark.kernels
 
@@ -83,11 +83,12 @@ def test_onednn_bf16_check_agrees_with_packing():
 # --- each compiled kernel ---------------------------------------------------------------------------
 
 @per_kernel
+@pytest.mark.parametrize("function", ["linear", "linear_fp32"])  # the decode kernel; converted tiles + fp32 GEMM
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 96), (6, 40, 33),
-                                                            (16, 24, 70)])
+                                                            (16, 24, 70), (40, 520, 2050), (7, 9, 70000)])
 @pytest.mark.parametrize("gelu", [False, True])
-def test_kernel_bf16_matches_fp32_reference(name, rows, out_features, in_features, gelu):
-    """Any M, N and K (tails of every width): fp32 accumulation, one rounding."""
+def test_kernel_bf16_matches_fp32_reference(name, function, rows, out_features, in_features, gelu):
+    """Any M, N and K (tails of every width, of tiles): fp32 accumulation, one rounding."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -95,7 +96,7 @@ def test_kernel_bf16_matches_fp32_reference(name, rows, out_features, in_feature
     ref = nn.functional.linear(x.float(), w.float(), bias.float())
     if gelu:
         ref = nn.functional.gelu(ref, approximate="tanh")
-    out = kernel(name).linear(x, w, bias, gelu)
+    out = getattr(kernel(name), function)(x, w, bias, gelu)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     # bf16 rounding of the result (2^-8 relative) plus fp32 summation error
     assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
@@ -135,24 +136,6 @@ def test_kernel_int8_matches_dequantized_reference(name, rows, out_features, in_
     # fixed point: |dx| <= max|x| / 64000 per element; then the bf16 rounding of the result
     fixed_point = x.float().abs().amax(1, keepdim=True) / 64000 * w.abs().sum(1)
     assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1.2 * fixed_point + 1e-6)
-
-
-@per_kernel
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 100), (5, 300, 64), (40, 520, 2050),
-                                                            (7, 9, 70000)])
-@pytest.mark.parametrize("gelu", [False, True])
-def test_kernel_fp32_tiles_match_fp32_reference(name, rows, out_features, in_features, gelu):
-    """bf16 weights converted tile by tile (tails of tiles and of K) into an fp32 GEMM, one rounding."""
-    gen = torch.Generator().manual_seed(rows * out_features + in_features)
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16()
-    ref = nn.functional.linear(x.float(), w.float(), bias.float())
-    if gelu:
-        ref = nn.functional.gelu(ref, approximate="tanh")
-    out = kernel(name).linear_fp32(x, w, bias, gelu)
-    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
-    assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
 
 
 @per_kernel

@@ -1,4 +1,4 @@
-"""[kv-shard]: batch-sharded MQA attention under injected TP=2 (injection.kv_shard), two real ranks over gloo.
+"""batch-sharded MQA attention under injected TP=2 (injection.kv_shard), two real ranks over gloo.
 
 One torchrun launch runs both KV layouts ("head" = replicated, "batch") on a batch of 4 and the
 uneven batch of 3; rank 0 saves logits, tokens and every rank's KV bytes (read from the cache
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.backend import load_backend, position_ids
-from plugins.checkpoint import load_hf_model, read_hf_config, save_hf_dir
+from plugins.core.backend import load_backend, position_ids
+from plugins.core.checkpoint import load_hf_model, read_hf_config, save_hf_dir
 from plugins.hf import HFBackend, HFDecoder
-from plugins.tokenizer import left_pad, prompt_token_ids
+from plugins.core.tokenizer import left_pad, prompt_token_ids
 
 from injection.kv_shard import KVLayoutError, rank_batch
 
@@ -29,7 +29,7 @@ SCRIPT = r"""
 import sys
 import torch
 import torch.distributed as dist
-from plugins.deepspeed_backend import DeepSpeedBackend
+from plugins.deepspeed import DeepSpeedBackend
 
 sys.path.insert(0, sys.argv[7])
 from test_kv_shard import cached_logits

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plugins.launcher import RemoteBackend, WorkerError
+from plugins.core.launcher import RemoteBackend, WorkerError
 
 PROBE = "tests.test_launcher:Probe"  # imported by the workers (the launcher puts the repo on PYTHONPATH)
 

@@ -1,6 +1,6 @@
-"""[tp]: gpt_bigcode with DeepSpeed tensor parallelism, TP=2, two real processes over gloo.
+"""gpt_bigcode with DeepSpeed tensor parallelism, TP=2, two real processes over gloo.
 
-The ranks are started by plugins.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
+The ranks are started by plugins.core.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
 launcher); results come back from rank 0. The first run JIT-compiles DeepSpeed's shm comm op.
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.backend import ConfigError, load_backend
-from plugins.checkpoint import load_hf_model, save_hf_dir
-from plugins.deepspeed_backend import AutoTPBackend, DeepSpeedBackend
+from plugins.core.backend import ConfigError, load_backend
+from plugins.core.checkpoint import load_hf_model, save_hf_dir
+from plugins.deepspeed import AutoTPBackend, DeepSpeedBackend
 from plugins.hf import HFBackend
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,8 +125,8 @@ def test_shm_allreduce_segments_are_not_left_in_dev_shm(tmp_path, mode):
 NO_LOCAL_SIZE_SCRIPT = r"""
 import sys
 import torch.distributed as dist
-from plugins.backend import ConfigError
-from plugins.deepspeed_backend import DeepSpeedBackend
+from plugins.core.backend import ConfigError
+from plugins.deepspeed import DeepSpeedBackend
 dist.init_process_group("gloo")
 try:
     DeepSpeedBackend.from_hf(sys.argv[1], tp_size=2, device="cpu")
@@ -173,10 +173,12 @@ def test_upstream_autotp_grain_is_the_kv_head_count_and_bigcode_split_assumes_mq
 
 def test_injected_qkv_shard_rule():
     from injection.tp import qkv_rows
+    from plugins.core.config import load_model_config
 
-    # MQA, 4 heads of 16, tp 2: rank 1 holds heads 2-3 and the one K/V head
-    assert qkv_rows(64, 4, True, 1, 2).tolist() == list(range(32, 64)) + list(range(64, 96))
+    mqa, mha = load_model_config("tiny"), load_model_config("tiny-mha")  # 64 wide, 4 heads of 16
+    # MQA, tp 2: rank 1 holds heads 2-3 and the one K/V head
+    assert qkv_rows(mqa, 1, 2).tolist() == list(range(32, 64)) + list(range(64, 96))
     # MHA: per-head [q, k, v] rows, heads 2-3 -> rows 96..191
-    assert qkv_rows(64, 4, False, 1, 2).tolist() == list(range(96, 192))
+    assert qkv_rows(mha, 1, 2).tolist() == list(range(96, 192))
     with pytest.raises(ValueError, match="does not divide n_head"):
-        qkv_rows(64, 4, True, 0, 3)
+        qkv_rows(mqa, 0, 3)

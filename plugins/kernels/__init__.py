@@ -39,8 +39,8 @@ CSRC = Path(__file__).parent / "csrc"
 RUNGS = ("avx512", "onednn", "avx2", "torch")
 ENV = "PLUGINS_KERNELS"
 # The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles
-# (measured, 8 santacoder-1b weights: 8 rows 13.0 vs 15.5 ms, 12 rows 24.3 vs 18.6 ms).
-KERNEL_ROWS = 8
+# (measured, 8 santacoder-1b weights: 1 row 5.0 vs 8.3 ms, 16 rows 19.6 vs 22.4 ms).
+KERNEL_ROWS = 16
 # torch.cpu.get_capabilities() names each kernel needs, and the flags it is compiled with
 KERNEL_ISA = {
     "avx512": (("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni"),
@@ -112,8 +112,8 @@ def build(name: str):
     from torch.utils.cpp_extension import load
 
     flags = KERNEL_ISA[name][1]
-    # torch's loader rebuilds when the sources or flags change; the header's hash goes into the flags
-    header = hashlib.sha256((CSRC / "common.h").read_bytes()).hexdigest()[:16]
+    # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
+    header = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in ("common.h", "entry_points.h"))).hexdigest()[:16]
     try:
         return load(f"decode_{name}", [str(CSRC / f"decode_{name}.cpp")], verbose=False,
                     extra_cflags=["-O3", "-fopenmp", *flags, f"-DCOMMON_H_SHA={header}"],

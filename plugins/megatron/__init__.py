@@ -5,7 +5,7 @@ import warnings
 # megatron-core warns at import about every optional CUDA extension it does not find.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|transformer_engine).*", category=UserWarning)
 
-from .backend import MegatronGPT, read_hf_state  # noqa: E402
+from .backend import MegatronGPT  # noqa: E402
 from .model import build_model, check_config, init_parallel, transformer_config  # noqa: E402
 
-__all__ = ["MegatronGPT", "build_model", "check_config", "init_parallel", "read_hf_state", "transformer_config"]
+__all__ = ["MegatronGPT", "build_model", "check_config", "init_parallel", "transformer_config"]

@@ -3,7 +3,7 @@
 TP > 1 needs one process per rank. Inside ranks (e.g. `torchrun --nproc_per_node 2 script.py`
 calling `from_hf(..., tp_size=2)` everywhere) the model is built right here and every rank
 returns the same results. From a single process, `from_hf(..., tp_size=2)` starts the ranks
-with `plugins.launcher` and returns its proxy, which forwards every call to them.
+with `plugins.core.launcher` and returns its proxy, which forwards every call to them.
 """
 
 from __future__ import annotations
@@ -13,25 +13,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from plugins.backend import GenerationResult, LocalBackend, position_ids, resolve_dtype
-from plugins.checkpoint import read_hf_config
-from plugins.config import ConfigError
-from plugins.generation import Sampler, generate
+from plugins.core.backend import GenerationResult, LocalBackend, position_ids, resolve_dtype
+from plugins.core.checkpoint import read_hf_config, read_hf_state
+from plugins.core.config import ConfigError
+from plugins.core.generation import Sampler, generate
 
 from .decoder import MegatronDecoder, causal_padding_mask
 from .model import build_model, check_config, init_parallel, load_rank_state
-
-
-def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{hf_dir} has no *.safetensors weights")
-    state = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
 
 
 def _world_size() -> int:
@@ -45,7 +34,7 @@ def _no_options(options: dict) -> None:
 
 
 def _remote(method: str, path, dtype, tp_size: int, **options):
-    from plugins.launcher import RemoteBackend
+    from plugins.core.launcher import RemoteBackend
     return RemoteBackend("megatron", path, dtype=dtype, tp_size=tp_size, method=method, **options)
 
 
@@ -84,22 +73,34 @@ class MegatronGPT(LocalBackend):
     @classmethod
     def from_megatron(cls, ckpt_dir: str | Path, dtype="float32", tp_size: int = 1, attention: str = "sdpa",
                       **options):
-        """Load a megatron-core dist checkpoint (converters/megatron_core.py) at any TP size."""
-        from converters.megatron_core import load_model, read_config
+        """Load a megatron-core dist checkpoint (converters/megatron_core.py: read safely, resharded for
+        `tp_size` by the mapping table) at any TP size."""
+        from converters import megatron_core
 
         dtype = resolve_dtype(dtype)
-        config = read_config(ckpt_dir)
+        config = megatron_core.read_config(ckpt_dir)
         check_config(config, tp_size, attention)
         if tp_size > _world_size():
             return _remote("from_megatron", ckpt_dir, dtype, tp_size, attention=attention, **options)
         _no_options(options)
-        model, config = load_model(ckpt_dir, tp_size, attention)
-        return cls(model.to(device=cls._device(), dtype=dtype), config, dtype, tp_size)
+        config, hf_state = megatron_core.read(ckpt_dir)
+        return cls.from_state(config, hf_state, dtype, tp_size, attention)
 
     def save_megatron(self, dst: str | Path) -> None:
-        """Write this model as a megatron-core dist checkpoint (all ranks call this)."""
-        from converters.megatron_core import save_model
-        save_model(self.model, self.config, dst)
+        """Write this model as a megatron-core dist checkpoint into the existing, empty directory `dst`
+        (every rank calls this; rank 0 gathers the shards and writes)."""
+        from converters import megatron_core
+        from converters.mapping import mcore_to_hf
+
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        states = [state]
+        if self.tp_size > 1:
+            states = [None] * self.tp_size
+            dist.all_gather_object(states, state)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            megatron_core.write(self.config, mcore_to_hf(states, self.config), dst, self.tp_size)
+        if dist.is_initialized():
+            dist.barrier()
 
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         from plugins import kernels  # compat routes megatron's bf16 linears through the probe

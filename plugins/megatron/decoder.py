@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.backend import tensor_bytes
+from plugins.core.backend import tensor_bytes
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:

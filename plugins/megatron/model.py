@@ -15,19 +15,12 @@ import torch
 import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
-from converters.mapping import Shape, padded_vocab_size, query_groups
-from plugins.config import ConfigError, check_tp, head_dim
-from plugins.launcher import free_port
+from converters.mapping import check_megatron_config, padded_vocab_size
+from plugins.core.config import TANH_GELUS, ConfigError, head_dim, kv_heads
+from plugins.core.launcher import free_port
 
 from . import compat
 from .attention import SDPAttention
-
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu_new": partial(F.gelu, approximate="tanh"),
-    "gelu_fast": partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 ATTENTIONS = ("sdpa", "megatron")
@@ -35,29 +28,23 @@ ATTENTIONS = ("sdpa", "megatron")
 
 def check_config(config: GPTBigCodeConfig, tp_size: int, attention: str = "sdpa") -> None:
     """Everything megatron-core cannot express, refused before any weights are read."""
-    check_tp(config, tp_size)
-    Shape(config, tp_size, None, "mcore")  # KV groups vs TP, vocab padding
+    check_megatron_config(config, tp_size, "mcore")  # TP vs heads and KV groups, activation, vocab padding
     if attention not in ATTENTIONS:
         raise ConfigError(f"attention must be 'sdpa' or 'megatron', got {attention!r}")
-    if config.activation_function not in _ACTIVATIONS:
-        raise ConfigError(f"activation {config.activation_function!r} is not supported; "
-                          f"use one of {', '.join(_ACTIVATIONS)}")
-    if getattr(config, "add_cross_attention", False):
-        raise ConfigError("cross-attention gpt_bigcode models are not supported")
 
 
 def transformer_config(config: GPTBigCodeConfig, tp_size: int = 1, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_config(config, tp_size)
     return TransformerConfig(
         num_layers=config.n_layer,
         hidden_size=config.n_embd,
         num_attention_heads=config.n_head,
-        num_query_groups=query_groups(config),  # 1 (MQA), n_head (MHA), or a converted GQA count
+        num_query_groups=kv_heads(config),  # 1 (MQA), n_head (MHA), or a converted GQA count
         kv_channels=head_dim(config),
         ffn_hidden_size=config.n_inner or 4 * config.n_embd,
-        activation_func=_ACTIVATIONS[config.activation_function],
+        activation_func=(partial(F.gelu, approximate="tanh") if config.activation_function in TANH_GELUS
+                         else F.gelu),
         normalization="LayerNorm",
         layernorm_epsilon=config.layer_norm_epsilon,
         add_bias_linear=True,

@@ -1,7 +1,7 @@
 // Decode linears on x86 CPUs with AVX2 + FMA only (no AVX512, no native bf16 arithmetic); see
 // common.h for the scheme.
-//   linear:      bf16 weights widened to fp32 in registers (a shift or a mask: see load_block),
-//                FMA against the input rows converted to fp32 once per call.
+//   linear:      bf16 weights and inputs widened to fp32 in registers (a shift or a mask: see
+//                load_block), FMA with fp32 accumulation.
 //   linear_int8: int8 weights widened to int16, vpmaddwd against activations as 16-bit fixed
 //                point (exact int32 pair sums), flushed to int64 before they could overflow.
 // Rows of input: up to 3 per pass over a weight row (bf16; 2 for int8), then the rest; the weight
@@ -14,6 +14,8 @@ namespace {
 
 using namespace decode;
 
+constexpr const char* ISA = "AVX2 + FMA";
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -23,74 +25,72 @@ inline float hsum(__m256 v) {
 
 // A bf16 is the top half of an fp32. Sixteen bf16 loaded as eight 32-bit lanes hold the odd
 // elements in their high halves (lane & 0xffff0000 is element 2i+1 as fp32) and the even ones in
-// their low halves (lane << 16 is element 2i): two cheap ALU ops widen 16 weights, no shuffles.
-// The input rows are stored to match: each 16-element block as its 8 even then its 8 odd elements.
+// their low halves (lane << 16 is element 2i): two cheap ALU ops widen 16 values, no shuffles.
+// Weights and inputs are widened the same way, so lane i of the even (odd) vectors pairs weight
+// and input element 2i (2i+1), and the inputs stay bf16 in memory: as fp32 they would be read at
+// twice the bytes of the weights they meet, once per weight row.
 constexpr int64_t BLOCK = 16;
 constexpr int CHAINS = 4;  // accumulators per row: 2 blocks per step, even and odd halves
-constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int64_t PREFETCH_BYTES = 2048;
 
-struct FloatRows {
-  int64_t K32;              // K rounded up to a whole step (2 blocks), zero padded
-  std::vector<float> data;  // [M, K32], each block de-interleaved (evens, then odds)
-};
-
-FloatRows to_float_rows(const bf16* x, int64_t M, int64_t K) {
-  FloatRows f;
-  f.K32 = (K + 2 * BLOCK - 1) / (2 * BLOCK) * (2 * BLOCK);
-  f.data.assign(M * f.K32, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t block = k / BLOCK * BLOCK, i = k % BLOCK;
-      f.data[m * f.K32 + block + (i % 2) * (BLOCK / 2) + i / 2] = static_cast<float>(x[m * K + k]);
-    }
-  return f;
-}
-
-// 16 bf16 weights (zero past `remaining`) -> even and odd elements as fp32.
-inline void load_block(const bf16* p, int64_t remaining, __m256& even, __m256& odd) {
-  __m256i raw;
-  if (remaining >= BLOCK) {
-    raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  } else {
-    alignas(32) uint16_t tmp[BLOCK] = {0};
-    for (int64_t i = 0; i < std::max<int64_t>(remaining, 0); ++i) tmp[i] = reinterpret_cast<const uint16_t*>(p)[i];
-    raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
-  }
+inline void widen(__m256i raw, __m256& even, __m256& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
+inline void load_block(const bf16* p, __m256& even, __m256& odd) {
+  widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), even, odd);
+}
+
+// The last, partial block: zero past `remaining` (< BLOCK).
+inline void load_tail(const bf16* p, int64_t remaining, __m256& even, __m256& odd) {
+  alignas(32) uint16_t tmp[BLOCK] = {0};
+  for (int64_t i = 0; i < std::max<int64_t>(remaining, 0); ++i) tmp[i] = reinterpret_cast<const uint16_t*>(p)[i];
+  widen(_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)), even, odd);
+}
+
 // dot[m] = x[m0 + m, :] . w for MT rows: four accumulator chains per row (FMA latency is 4
-// cycles: one chain would stall a one-row step at half the memory system's pace); a widened
-// weight vector is used by every row before the next, so MT * 4 accumulators stay in registers.
+// cycles: one chain would stall a one-row step at half the memory system's pace).
 template <int MT>
-void dots_bf16(const FloatRows& f, int64_t m0, const bf16* w, int64_t K, float* dot) {
+void dots_bf16(const bf16* x, int64_t m0, const bf16* w, int64_t K, float* dot) {
   __m256 acc[MT][CHAINS];
   for (int m = 0; m < MT; ++m)
     for (int c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_ps();
-  const float* x = f.data.data() + m0 * f.K32;
-  for (int64_t k = 0; k < K; k += 2 * BLOCK) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-    for (int b = 0; b < 2; ++b) {  // one block at a time: MT * 4 accumulators + 2 weight registers
-      __m256 even, odd;
-      load_block(w + k + b * BLOCK, K - k - b * BLOCK, even, odd);
-      for (int m = 0; m < MT; ++m) {
-        const float* xb = x + m * f.K32 + k + b * BLOCK;
-        acc[m][2 * b] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xb), acc[m][2 * b]);
-        acc[m][2 * b + 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xb + BLOCK / 2), acc[m][2 * b + 1]);
-      }
+  auto step = [&](int c, const __m256& we, const __m256& wo, int64_t kb, bool tail) {
+    for (int m = 0; m < MT; ++m) {
+      __m256 xe, xo;
+      if (tail) load_tail(x + (m0 + m) * K + kb, K - kb, xe, xo);
+      else load_block(x + (m0 + m) * K + kb, xe, xo);
+      acc[m][c] = _mm256_fmadd_ps(we, xe, acc[m][c]);
+      acc[m][c + 1] = _mm256_fmadd_ps(wo, xo, acc[m][c + 1]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 * BLOCK <= K; k += 2 * BLOCK) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+    __m256 we, wo;
+    load_block(w + k, we, wo);
+    step(0, we, wo, k, false);
+    load_block(w + k + BLOCK, we, wo);
+    step(2, we, wo, k + BLOCK, false);
+  }
+  for (int c = 0; k < K; k += BLOCK, c += 2) {  // at most two blocks, the last partial
+    __m256 we, wo;
+    const bool tail = K - k < BLOCK;
+    if (tail) load_tail(w + k, K - k, we, wo);
+    else load_block(w + k, we, wo);
+    step(c, we, wo, k, tail);
   }
   for (int m = 0; m < MT; ++m)
     dot[m] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
 }
 
-void row_bf16(const FloatRows& f, const bf16* w, int64_t M, int64_t K, float* dot) {
+void row_bf16(const bf16* x, const bf16* w, int64_t M, int64_t K, float* dot) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) dots_bf16<3>(f, m, w, K, dot + m);
+  for (; m + 3 <= M; m += 3) dots_bf16<3>(x, m, w, K, dot + m);
   switch (M - m) {
-    case 2: dots_bf16<2>(f, m, w, K, dot + m); break;
-    case 1: dots_bf16<1>(f, m, w, K, dot + m); break;
+    case 2: dots_bf16<2>(x, m, w, K, dot + m); break;
+    case 1: dots_bf16<1>(x, m, w, K, dot + m); break;
     default: break;
   }
 }
@@ -167,37 +167,6 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
   }
 }
 
-void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, float* dot) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) dots_int8<2>(f, m, w, K, dot + m);
-  if (m < M) dots_int8<1>(f, m, w, K, dot + m);
-}
-
 }  // namespace
 
-// x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
-  check_inputs(x, weight, at::kBFloat16);
-  const int64_t M = x.size(0), K = x.size(1);
-  const FloatRows f = to_float_rows(x.data_ptr<bf16>(), M, K);  // once, read by every weight row
-  const bf16* wp = weight.data_ptr<bf16>();
-  return for_each_output(x, weight.size(0), nullptr, vector_ptr(bias, weight.size(0), "bias"), gelu,
-                         [&](int64_t n, float* dot) { row_bf16(f, wp + n * K, M, K, dot); });
-}
-
-// x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, bool gelu) {
-  check_inputs(x, weight, at::kChar);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  return for_each_output(x, N, vector_ptr(scales, N, "scales"), vector_ptr(bias, N, "bias"), gelu,
-                         [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
-  m.def("linear", &linear, "bf16 decode linear (AVX2 + FMA)");
-  m.def("linear_int8", &linear_int8, "int8 weight decode linear, bf16 in and out (AVX2)");
-}
+#include "entry_points.h"

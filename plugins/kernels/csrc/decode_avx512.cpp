@@ -11,6 +11,8 @@ namespace {
 
 using namespace decode;
 
+constexpr const char* ISA = "AVX512-BF16 / VNNI";
+
 inline __m512bh load_bf16(const bf16* p, int64_t remaining) {
   if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
   return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1), p);  // zero-filled tail
@@ -115,37 +117,6 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
   }
 }
 
-void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, float* dot) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) dots_int8<2>(f, m, w, K, dot + m);
-  if (m < M) dots_int8<1>(f, m, w, K, dot + m);
-}
-
 }  // namespace
 
-// x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
-  check_inputs(x, weight, at::kBFloat16);
-  const int64_t M = x.size(0), K = x.size(1);
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.data_ptr<bf16>();
-  return for_each_output(x, weight.size(0), nullptr, vector_ptr(bias, weight.size(0), "bias"), gelu,
-                         [&](int64_t n, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); });
-}
-
-// x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, bool gelu) {
-  check_inputs(x, weight, at::kChar);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);  // once, read by every weight row
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  return for_each_output(x, N, vector_ptr(scales, N, "scales"), vector_ptr(bias, N, "bias"), gelu,
-                         [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
-  m.def("linear", &linear, "bf16 decode linear (AVX512-BF16)");
-  m.def("linear_int8", &linear_int8, "int8 weight decode linear, bf16 in and out (AVX512-VNNI)");
-}
+#include "entry_points.h"

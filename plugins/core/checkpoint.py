@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
@@ -126,18 +127,29 @@ def read_hf_config(src: str | Path) -> GPTBigCodeConfig:
     return GPTBigCodeConfig.from_pretrained(src)
 
 
-def load_hf_model(src: str | Path, dtype: torch.dtype = torch.float32,
-                  attn_implementation: str = "sdpa") -> GPTBigCodeForCausalLM:
-    """Load an HF gpt_bigcode directory without any random init (meta build + assign)."""
+def read_hf_state(src: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's `*.safetensors` files (the one reader: backends and converters)."""
     src = Path(src)
-    config = read_hf_config(src)
-    config._attn_implementation = attn_implementation
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{src} has no *.safetensors weights")
     state = {}
     for f in files:
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {f}: {e}") from None
+    return state
+
+
+def load_hf_model(src: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                  config: GPTBigCodeConfig | None = None) -> GPTBigCodeForCausalLM:
+    """Load an HF gpt_bigcode directory without any random init (meta build + assign); `config`: the
+    directory's config when the caller has read it already."""
+    src = Path(src)
+    config = config or read_hf_config(src)
+    config._attn_implementation = attn_implementation
+    state = read_hf_state(src)
     model = _build_empty(config)
     state = {k: v.to(dtype) for k, v in state.items()}
     if config.tie_word_embeddings:

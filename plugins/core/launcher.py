@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from plugins.backend import backend_class, check_inputs
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .backend import backend_class, check_inputs
+from .config import REPO_ROOT
 ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
 TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
 
@@ -47,11 +46,11 @@ def launch_command(launcher: str, nproc: int) -> list[str]:
     """
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "plugins.launcher"]
+                "-m", "plugins.core.launcher"]
     if launcher == "deepspeed":  # passes --local_rank=N to the script
         port = free_port()
         return [str(Path(sys.executable).with_name("deepspeed")), f"--num_accelerators={nproc}",
-                f"--master_port={port}", "--module", "plugins.launcher"]
+                f"--master_port={port}", "--module", "plugins.core.launcher"]
     raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun' or 'deepspeed'")
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import kernels
+from . import linear, probe
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,14 +33,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     impl = "torch"
     if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
             bias is None or bias.dtype == torch.bfloat16):
-        impl = kernels.probe().int8(x2.shape[0])
+        impl = probe().int8(x2.shape[0])
     if impl != "torch":  # one row (a decode step at batch 1): our kernel, ~1.6x torch's int8 GEMV
-        out = kernels.probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
+        out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows (measured here:
     # ~linear in M, as slow as dequantize + GEMM at ~128 rows): a prefill dequantizes once instead.
     if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS:
-        out = kernels.linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
+        out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
     if bias is not None:
@@ -51,14 +51,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, source: nn.Linear):
         super().__init__()
-        q, scales = quantize_per_channel(linear.weight)
-        dtype = linear.weight.dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_per_channel(source.weight)
+        dtype = source.weight.dtype
+        self.in_features, self.out_features = source.in_features, source.out_features
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x):
         return int8_linear(x, self.weight_int8, self.scales, self.bias)
@@ -81,8 +81,8 @@ def quantize_linears(module: nn.Module, skip=("lm_head",)) -> nn.Module:
     return module
 
 
-def weight_bytes(module: nn.Module) -> int:
-    """Bytes of parameters and numeric buffers (tied tensors once; HF's boolean mask table excluded)."""
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes a module stores: parameters and numeric buffers (tied tensors once; HF's boolean mask table excluded)."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         if t.dtype != torch.bool and t.data_ptr() not in seen:

@@ -75,7 +75,7 @@ def projection_markdown(proj_rows, batches) -> list[str]:
                 table.append(cells)
             out += _table(header, table)
     out += ["KV layout `head`: KV split by head over the TP ranks (MQA's single head replicated on every rank); "
-            "`batch`: each rank keeps every KV head of B/TP sequences (issue 9). Time per step = "
+            "`batch`: each rank keeps every KV head of B/TP sequences (Pope et al. 2022). Time per step = "
             "max(bytes / bandwidth, FLOPs / peak) + TP all-reduces; activations and workspace are not counted "
             "in the memory fit.", ""]
     return out

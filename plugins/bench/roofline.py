@@ -18,7 +18,7 @@ Counting rules, stated once:
   needs), plus attention: 4 * n_embd FLOPs per layer per (query, key) pair.
 - KV cache: 2 (K and V) * n_layer * batch * seq * kv_heads * head_dim * bytes. Layouts under TP=N:
   "head" (KV split by head; replicated when there are fewer KV heads than ranks, as every engine
-  does for MQA today) and "batch" (issue 9 / Pope et al.: each rank keeps all KV heads of
+  does for MQA) and "batch" (Pope et al., injection.kv_shard: each rank keeps all KV heads of
   ceil(B/N) sequences).
 - Communication: two all-reduces of the activations per layer (ring: 2(N-1)/N of the bytes over
   one direction of the link); "batch" adds two all-to-alls per layer (queries in, outputs back).
@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-
-from .config import CONFIGS_DIR, ConfigError, head_dim, kv_heads, load_model_config, read_yaml
+from plugins.core.config import CONFIGS_DIR, KV_LAYOUTS, ConfigError, head_dim, kv_heads, load_model_config, read_yaml
 
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
-KV_LAYOUTS = ("head", "batch")
 
 
 @dataclass(frozen=True)

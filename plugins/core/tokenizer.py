@@ -2,7 +2,7 @@
 
 The tokenizer is trained with the `tokenizers` library on the Python standard library sources of
 this interpreter (present on every machine), and shipped as `configs/tokenizer/tokenizer.json`.
-`python -m plugins.tokenizer --check` retrains it and asserts the result is identical.
+`python -m plugins.core.tokenizer --check` retrains it and asserts the result is identical.
 Prompts are windows of exactly the requested token length cut from `configs/prompts/code.py.txt`,
 a fixed file of real code, so benchmark inputs do not change when the machine does.
 """
@@ -47,7 +47,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
 
 def load_tokenizer() -> Tokenizer:
     if not TOKENIZER_FILE.is_file():
-        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing: run `python -m plugins.tokenizer --write`")
+        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing: run `python -m plugins.core.tokenizer --write`")
     return Tokenizer.from_file(str(TOKENIZER_FILE))
 
 

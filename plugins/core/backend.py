@@ -1,7 +1,8 @@
 """The one interface every engine implements, and the checks every engine shares.
 
 `scripts/compare.py` only ever talks to a `Backend`: it loads one by name with `load_backend`,
-then calls `logits` and `generate`. Nothing in the comparison knows which library is underneath.
+then calls `logits` and `generate`. Nothing in the comparison knows which library is underneath:
+engines are found by name in `BACKENDS`, never imported by the layers below them.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class LocalBackend:
 # name -> "module:class"; imported lazily so a missing optional library only affects its backend.
 BACKENDS = {
     "hf": "plugins.hf:HFBackend",
-    "deepspeed": "plugins.deepspeed_backend:DeepSpeedBackend",
-    "deepspeed-autotp": "plugins.deepspeed_backend:AutoTPBackend",
+    "deepspeed": "plugins.deepspeed:DeepSpeedBackend",
+    "deepspeed-autotp": "plugins.deepspeed:AutoTPBackend",
     "megatron": "plugins.megatron:MegatronGPT",
 }
 
@@ -85,16 +86,23 @@ def load_backend(name: str, hf_dir: str | Path, dtype="float32", tp_size: int = 
     return backend_class(name).from_hf(hf_dir, dtype=dtype, tp_size=tp_size, **options)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what weights may be stored in
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
     """A torch dtype from a name; refuses fp16 where the device cannot run it (CPU)."""
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
-        dtype = _DTYPES[dtype]
+        dtype = DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,9 +13,15 @@ from pathlib import Path
 import yaml
 from transformers import GPTBigCodeConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"
 MODELS_DIR = CONFIGS_DIR / "models"
+
+# HF activation names that are the tanh approximation of GELU (what gpt_bigcode uses)
+TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+# Where the KV cache of a TP group lives: "head" splits it by KV head (MQA's one head replicated on
+# every rank), "batch" gives each rank every KV head of B / TP sequences (injection.kv_shard).
+KV_LAYOUTS = ("head", "batch")
 
 
 class ConfigError(ValueError):
@@ -104,8 +110,15 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig
 
 
 def kv_heads(config: GPTBigCodeConfig) -> int:
-    # num_query_groups: Megatron-only GQA configs made by converters (HF implements MQA and MHA only)
+    """KV heads of the whole model: 1 (MQA), n_head (MHA), or `num_query_groups` for the GQA configs
+    the converters make (Megatron formats only: HF gpt_bigcode implements MQA and MHA)."""
     return getattr(config, "num_query_groups", None) or (1 if config.multi_query else config.n_head)
+
+
+def kv_heads_per_rank(config: GPTBigCodeConfig, tp_size: int = 1) -> int:
+    """KV heads one TP rank holds: its share, or the whole head(s) replicated when there are fewer
+    KV heads than ranks (MQA: the one head on every rank)."""
+    return max(1, kv_heads(config) // tp_size)
 
 
 def head_dim(config: GPTBigCodeConfig) -> int:
@@ -113,7 +126,15 @@ def head_dim(config: GPTBigCodeConfig) -> int:
 
 
 def check_tp(config: GPTBigCodeConfig, tp_size: int) -> None:
-    if not isinstance(tp_size, int) or tp_size < 1:
+    """The one tensor-parallel check: every rank holds whole query heads, and KV heads are either
+    split evenly over the ranks or replicated on groups of ranks."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
     if config.n_head % tp_size:
-        raise ConfigError(f"tp_size {tp_size} does not divide n_head {config.n_head}")
+        raise ConfigError(f"tp_size {tp_size} does not divide n_head {config.n_head}: "
+                          "each rank must hold a whole number of query heads")
+    groups = kv_heads(config)
+    if config.n_head % groups:
+        raise ConfigError(f"{groups} KV heads do not divide n_head {config.n_head}")
+    if groups % tp_size and tp_size % groups:
+        raise ConfigError(f"tp_size {tp_size} and {groups} KV heads: one must divide the other")

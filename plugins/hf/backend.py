@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, GPTBigCodeForCausalLM
 
-from .backend import GenerationResult, LocalBackend, check_load, position_ids, resolve_dtype, tensor_bytes
-from .checkpoint import load_hf_model, read_hf_config
-from .generation import Sampler, generate
+from plugins.core.backend import GenerationResult, LocalBackend, check_load, position_ids, resolve_dtype, tensor_bytes
+from plugins.core.checkpoint import load_hf_model, read_hf_config
+from plugins.core.generation import Sampler, generate
 
 
 class HFDecoder:
@@ -47,19 +47,20 @@ class HFDecoder:
 class HFBackend(LocalBackend):
     name = "hf"
 
-    def __init__(self, model: GPTBigCodeForCausalLM, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, model: GPTBigCodeForCausalLM, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1):
         self.model = model
         self.config = model.config
         self.dtype = dtype
         self.device = device
-        self.tp_size = 1
+        self.tp_size = tp_size
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(dtype, device)
-        check_load(read_hf_config(hf_dir), tp_size, max_tp=1)
-        return cls(load_hf_model(hf_dir, dtype).to(device), dtype, device)
+        config = read_hf_config(hf_dir)
+        check_load(config, tp_size, max_tp=1)
+        return cls(load_hf_model(hf_dir, dtype, config=config).to(device), dtype, device)
 
     @torch.inference_mode()
     def logits(self, input_ids, attention_mask):
@@ -68,14 +69,17 @@ class HFBackend(LocalBackend):
                          position_ids=position_ids(attention_mask), use_cache=False)
         return out.logits.float().cpu()
 
-    def decoder(self) -> HFDecoder:
+    def decoder(self, batch: int, max_length: int) -> HFDecoder:
+        """A decoder for `batch` sequences of up to `max_length` cached tokens (HF's cache grows as needed)."""
         return HFDecoder(self.model)
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:
         input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
-        result = generate(self.decoder(), input_ids, attention_mask, max_new_tokens, sampler)
+        # the last new token is sampled, never fed back: T + N - 1 tokens are ever cached
+        decoder = self.decoder(input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens - 1, 0))
+        result = generate(decoder, input_ids, attention_mask, max_new_tokens, sampler)
         result.tokens = result.tokens.cpu()
         return result
 

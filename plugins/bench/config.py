@@ -1,0 +1,182 @@
+"""Bench configs (`configs/bench/*.yaml`): the schema, checked whole before any work.
+
+Unknown keys are errors; model configs and overrides, backend names, TP sizes against head
+counts, prompt + new tokens against n_positions and hardware names are all checked here, so a
+run never fails late on something its config already said.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from plugins.core.backend import BACKENDS, resolve_dtype
+from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, read_yaml
+
+from . import roofline
+
+BENCH_DIR = CONFIGS_DIR / "bench"
+REFERENCE = "hf"  # the backend (at tp_size 1) every other one is checked against
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    label: str
+    config: str                      # a name in configs/models/ (or a YAML path)
+    overrides: dict = field(default_factory=dict)   # single keys replaced, e.g. {multi_query: false}
+
+    def hf_config(self):
+        return load_model_config(self.config, **self.overrides)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    label: str
+    name: str                        # a key of plugins.backend.BACKENDS
+    tp_size: int = 1
+    options: dict = field(default_factory=dict)     # passed to load_backend as keyword arguments
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    models: tuple
+    backends: tuple
+    batch_sizes: tuple
+    prompt_lengths: tuple
+    new_tokens: int
+    dtype: str = "float32"
+    warmup: int = 1
+    cycles: int = 3
+    seed: int = 0
+    logit_batch: int = 4             # sequences per row whose full logits are compared with HF
+    checkpoint_dir: str = "checkpoints"
+    project: tuple = ()              # hardware names: an analytical projection appended to results.md
+    project_models: tuple = ("starcoder-15b",)
+    project_context: int = 2048
+    project_batches: tuple = (1, 64)
+    name: str = ""
+
+
+_MODEL_KEYS = {"config", "label", "overrides"}
+_BACKEND_KEYS = {"name", "tp_size", "label", "options"}
+_BENCH_KEYS = {f.name for f in fields(BenchConfig)} - {"name"}
+
+
+def _positive_ints(key, value, allow_zero=False) -> tuple:
+    values = value if isinstance(value, list) else [value]
+    lo = 0 if allow_zero else 1
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < lo for v in values):
+        raise ConfigError(f"{key} must be {'a non-negative' if allow_zero else 'a positive'} integer "
+                          f"or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _names(key, value) -> tuple:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) and v for v in values):
+        raise ConfigError(f"{key} must be a name or a list of names, got {value!r}")
+    return tuple(values)
+
+
+def _check_keys(raw: dict, allowed: set, where: str, hint: str = "") -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}{hint}")
+
+
+def _model_entry(raw) -> ModelEntry:
+    if isinstance(raw, str):
+        return ModelEntry(label=Path(raw).stem, config=raw)
+    if not isinstance(raw, dict) or "config" not in raw:
+        raise ConfigError(f"a models entry is a config name or a mapping with 'config', got {raw!r}")
+    _check_keys(raw, _MODEL_KEYS, "models entry")
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"models entry {raw['config']!r}: overrides must be a mapping")
+    return ModelEntry(label=str(raw.get("label") or Path(raw["config"]).stem), config=raw["config"],
+                      overrides=dict(overrides))
+
+
+def _backend_entry(raw) -> BackendEntry:
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ConfigError(f"a backends entry is a backend name or a mapping with 'name', got {raw!r}")
+    _check_keys(raw, _BACKEND_KEYS, f"backends entry {raw['name']!r}", " (backend options go under 'options')")
+    name = raw["name"]
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    tp = _positive_ints("tp_size", raw.get("tp_size", 1))
+    if len(tp) != 1:
+        raise ConfigError(f"backends entry {name!r}: tp_size is one integer")
+    options = raw.get("options") or {}
+    if not isinstance(options, dict):
+        raise ConfigError(f"backends entry {name!r}: options must be a mapping")
+    label = raw.get("label") or (name if tp[0] == 1 else f"{name} tp{tp[0]}")
+    return BackendEntry(label=str(label), name=name, tp_size=tp[0], options=dict(options))
+
+
+def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
+    """Validate everything a run needs before any work: unknown keys, shapes, backends, TP sizes."""
+    if not isinstance(raw, dict):
+        raise ConfigError("a bench config is a mapping of keys to values")
+    _check_keys(raw, _BENCH_KEYS, f"bench config {name}")
+    missing = sorted({"models", "backends", "batch_sizes", "prompt_lengths", "new_tokens"} - set(raw))
+    if missing:
+        raise ConfigError(f"bench config {name}: missing key(s) {', '.join(missing)}")
+    models = tuple(_model_entry(m) for m in (raw["models"] if isinstance(raw["models"], list) else [raw["models"]]))
+    backends = tuple(_backend_entry(b) for b in (raw["backends"] if isinstance(raw["backends"], list)
+                                                 else [raw["backends"]]))
+    for kind, labels in (("model", [m.label for m in models]), ("backend", [b.label for b in backends])):
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ConfigError(f"duplicate {kind} label(s) {', '.join(dup)}: give each entry its own 'label'")
+    if not any(b.name == REFERENCE and b.tp_size == 1 for b in backends):
+        raise ConfigError(f"backends must include {REFERENCE!r} (tp_size 1): it is the reference for correctness")
+    if not models:
+        raise ConfigError("models is empty")
+    cfg = BenchConfig(
+        models=models, backends=backends,
+        batch_sizes=_positive_ints("batch_sizes", raw["batch_sizes"]),
+        prompt_lengths=_positive_ints("prompt_lengths", raw["prompt_lengths"]),
+        new_tokens=_positive_ints("new_tokens", raw["new_tokens"])[0],
+        dtype=str(raw.get("dtype", "float32")),
+        warmup=_positive_ints("warmup", raw.get("warmup", 1), allow_zero=True)[0],
+        cycles=_positive_ints("cycles", raw.get("cycles", 3))[0],
+        seed=_positive_ints("seed", raw.get("seed", 0), allow_zero=True)[0],
+        logit_batch=_positive_ints("logit_batch", raw.get("logit_batch", 4))[0],
+        checkpoint_dir=str(raw.get("checkpoint_dir", "checkpoints")),
+        project=_names("project", raw.get("project", [])),
+        project_models=_names("project_models", raw.get("project_models", ["starcoder-15b"])),
+        project_context=_positive_ints("project_context", raw.get("project_context", 2048))[0],
+        project_batches=_positive_ints("project_batches", raw.get("project_batches", [1, 64])),
+        name=name,
+    )
+    if cfg.new_tokens < 2:
+        raise ConfigError("new_tokens must be >= 2 (one prefill token, then timed decode steps)")
+    resolve_dtype(cfg.dtype)
+    longest = max(cfg.prompt_lengths)
+    for m in cfg.models:
+        config = m.hf_config()  # ConfigError for an unknown config or override
+        if longest + cfg.new_tokens > config.n_positions:
+            raise ConfigError(f"model {m.label}: prompt length {longest} + new_tokens {cfg.new_tokens} "
+                              f"exceeds n_positions {config.n_positions}")
+        for b in cfg.backends:
+            check_tp(config, b.tp_size)
+    for hw in cfg.project:
+        roofline.read_hardware_spec(hw)
+    for m in cfg.project_models:
+        load_model_config(m)
+    return cfg
+
+
+def load_bench_config(name_or_path: str | Path) -> BenchConfig:
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = BENCH_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in BENCH_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown bench config {str(name_or_path)!r}; known: {known}")
+    return parse_bench_config(read_yaml(path), name=path.stem)
+
+

@@ -1,0 +1,7 @@
+"""The DeepSpeed engines behind the Backend protocol: kernel injection with our gpt_bigcode policy
+(`DeepSpeedBackend`, the `injection/` package) and DeepSpeed AutoTP with balanced MQA shards
+(`AutoTPBackend`)."""
+
+from .backend import AutoTPBackend, DeepSpeedBackend
+
+__all__ = ["AutoTPBackend", "DeepSpeedBackend"]

@@ -1,0 +1,204 @@
+"""DeepSpeed-Inference with our gpt_bigcode kernel-injection policy (`injection/`), as a Backend.
+
+The HF model is loaded, `injection.register()` plugs the policy in, and
+`deepspeed.init_inference(..., replace_with_kernel_inject=True)` replaces every GPTBigCodeBlock.
+The injected model is still an HF causal LM (so logits and prefill are HF's calls), decoding on a
+`SingleHeadCache` sized exactly for what is cached: prompt + new tokens - 1. At TP 1 decode steps
+skip HF's model forward (`decoder.InjectedDecoder`).
+
+Speed options (tp_size 1): `quantize="int8"` (int8 weight-only layer linears; `quantize_lm_head=True`
+adds the LM head), `compile=True` (torch.compile of the decode step, eager if that fails),
+`speculative={"k": 4, "draft": "int8" | <HF dir>}` (exact greedy speculative decoding; "int8" drafts
+with the target's own layers in int8).
+
+tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.core.launcher,
+torchrun or `deepspeed --num_accelerators N`) and returns a RemoteBackend; inside a rank (torch
+distributed initialised with world size N), it injects with `tensor_parallel={"tp_size": N}`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from injection import SingleHeadCache, kv_shard
+from plugins import kernels
+from plugins.core.backend import ConfigError, GenerationResult, LocalBackend, check_load, resolve_dtype
+from plugins.core.checkpoint import load_hf_model, read_hf_config
+from plugins.core.speculative import speculative_generate
+from plugins.hf import HFBackend, HFDecoder
+from plugins.kernels.quant import Int8Linear
+
+from .decoder import InjectedDecoder
+
+
+class DeepSpeedBackend(HFBackend):
+    name = "deepspeed"
+    fast_decode = True  # TP 1 decode steps through InjectedDecoder (the injected layers, no HF model forward)
+
+    def __init__(self, engine, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1, kv_layout: str = "head",
+                 compile: bool = False, draft: DeepSpeedBackend | None = None, speculative_k: int = 0):
+        super().__init__(engine.module, dtype, device, tp_size)
+        self.engine = engine
+        self.kv_layout = kv_layout    # "head": MQA KV replicated per rank; "batch": injection.kv_shard
+        self.compile = compile
+        self.draft = draft            # speculative decoding: the draft backend and its k
+        self.speculative_k = speculative_k
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None,
+                max_out_tokens: int | None = None, launcher: str = "torchrun", kv_layout: str = "head",
+                quantize: str | None = None, quantize_lm_head: bool = False, compile: bool = False,
+                speculative: dict | None = None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        resolved = resolve_dtype(dtype, device)
+        config = read_hf_config(hf_dir)
+        check_load(config, tp_size)  # before any rank starts or reads weights
+        speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
+        kv_shard.check_kv_layout(kv_layout, config.multi_query, tp_size)
+        dist = torch.distributed
+        if tp_size > 1 and not (dist.is_initialized() and dist.get_world_size() == tp_size):  # not in a rank
+            from plugins.core.launcher import RemoteBackend
+
+            return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=tp_size, launcher=launcher,
+                                 max_out_tokens=max_out_tokens, kv_layout=kv_layout)
+        if tp_size > 1 and device == "cpu" and "LOCAL_SIZE" not in os.environ:
+            raise ConfigError("DeepSpeed TP on CPU needs LOCAL_SIZE (ranks on this machine): launch with "
+                              f"`LOCAL_SIZE={tp_size} torchrun --nproc_per_node {tp_size} ...` or "
+                              f"`deepspeed --num_accelerators {tp_size} ...`; without it DeepSpeed's "
+                              "shared-memory all-reduce segfaults")
+        model = load_hf_model(hf_dir, resolved, config=config)
+        engine = cls._engine(model, resolved, tp_size, max_out_tokens or config.n_positions)
+        if kv_layout == "batch":
+            kv_shard.shard_kv_by_batch(engine.module)
+        backend = cls(engine, resolved, device, tp_size, kv_layout, compile)
+        if speculative is not None:  # the draft copies the weights before anything is packed or quantized
+            backend.speculative_k = speculative["k"]
+            backend.draft = (backend._int8_copy() if speculative["draft"] == "int8" else
+                             DeepSpeedBackend.from_hf(speculative["draft"], dtype=resolved, device=device,
+                                                      compile=compile))
+        if quantize == "int8":
+            quantize_model(backend.model, quantize_lm_head)
+        return backend
+
+    @staticmethod
+    def _engine(model, dtype, tp_size, max_out_tokens):
+        import deepspeed
+
+        import injection
+
+        injection.register()
+        return deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=True,
+                                        tensor_parallel={"tp_size": tp_size}, max_out_tokens=max_out_tokens)
+
+    def _layer0(self):
+        """Layer 0's weights as DeepSpeed stores them: [in, out]."""
+        layer = self.model.transformer.h[0]
+        attn, mlp = layer.attention, layer.mlp
+        return {"attn_qkvw": attn.attn_qkvw, "attn_ow": attn.attn_ow, "inter_w": mlp.inter_w, "output_w": mlp.output_w}
+
+    def shard_info(self) -> list[dict]:
+        """Every rank's layer-0 parameter shapes and its c_attn columns (gathered, rank order)."""
+        weights = self._layer0()
+        info = {name: tuple(t.shape) for name, t in weights.items()}
+        info["qkv_cols"] = weights["attn_qkvw"].float().cpu()
+        info["kv_cols"] = info["qkv_cols"][:, -2 * self.config.n_embd // self.config.n_head:]
+        if self.tp_size == 1:
+            return [info]
+        out = [None] * self.tp_size
+        torch.distributed.all_gather_object(out, info)
+        return out
+
+    def linear_paths(self, batch: int, prompt_len: int) -> dict:
+        int8 = self.model.transformer.h[0].attention.attn_qkvw.dtype == torch.int8
+        return kernels.paths(self.dtype, batch, prompt_len, int8=int8)
+
+    def decoder(self, batch: int, max_length: int) -> HFDecoder:
+        if self.kv_layout == "batch":  # each rank caches its ceil(B / tp) sequences
+            batch = kv_shard.rank_batch(batch, self.tp_size)
+        cache = SingleHeadCache(self.config, max_length, batch=batch, dtype=self.dtype, device=self.device,
+                                tp_size=self.tp_size)
+        if not self.fast_decode or self.tp_size > 1 or self.kv_layout == "batch":  # the fast step: TP 1 only
+            return HFDecoder(self.model, cache)
+        return InjectedDecoder(self.model, cache, self.compile)
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
+                 top_p=1.0, seed=0) -> GenerationResult:
+        if self.draft is None or max_new_tokens <= 1:
+            return super().generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
+                                    top_p, seed)
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        if do_sample:
+            raise ConfigError("speculative decoding here is greedy only: use do_sample=False, "
+                              "or load the backend without `speculative`")
+        k = self.speculative_k
+        # drafted tokens run up to k columns past the last kept one
+        length = input_ids.shape[1] + max_new_tokens + k
+        target = self.decoder(input_ids.shape[0], length)
+        draft = self.draft.decoder(input_ids.shape[0], length)
+        result, stats = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens, k=k)
+        result.tokens = result.tokens.cpu()
+        result.stats = {"k": k, "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate,
+                        "tokens_per_round": stats.tokens_per_round}
+        return result
+
+    def _int8_copy(self) -> DeepSpeedBackend:
+        """This backend with its layer linears in int8; every other tensor is shared, not copied."""
+        shared = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        model = copy.deepcopy(self.model, memo=shared)
+        quantize_model(model, lm_head=False)
+        draft = copy.copy(self)
+        draft.model, draft.draft = model, None
+        return draft
+
+
+def check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative) -> dict | None:
+    """Validate the speed options before any weights are read; returns `speculative` with defaults."""
+    if quantize not in (None, "int8"):
+        raise ConfigError(f"quantize must be None or 'int8', got {quantize!r}")
+    if quantize_lm_head and quantize is None:
+        raise ConfigError("quantize_lm_head needs quantize='int8'")
+    if tp_size > 1 and (quantize or compile or speculative):
+        raise ConfigError("quantize, compile and speculative are options of tp_size 1")
+    if speculative is None:
+        return None
+    if not isinstance(speculative, dict) or set(speculative) - {"k", "draft"}:
+        raise ConfigError(f"speculative must be a mapping with keys k and draft, got {speculative!r}")
+    spec = {"k": 4, "draft": "int8", **speculative}
+    if isinstance(spec["k"], bool) or not isinstance(spec["k"], int) or spec["k"] < 1:
+        raise ConfigError(f"speculative k must be a positive integer, got {spec['k']!r}")
+    if spec["draft"] != "int8":
+        draft = read_hf_config(spec["draft"])  # a checkpoint dir: its own clear error if it is not one
+        if draft.vocab_size != config.vocab_size:
+            raise ConfigError(f"draft vocab_size {draft.vocab_size} != target vocab_size {config.vocab_size}")
+    return spec
+
+
+def quantize_model(model, lm_head: bool = False) -> None:
+    """int8 weight-only linears in every injected layer (and the LM head, untied from wte, if asked)."""
+    for block in model.transformer.h:
+        block.quantize_int8()
+    if lm_head:
+        model.lm_head = Int8Linear(model.lm_head)
+
+
+class AutoTPBackend(DeepSpeedBackend):
+    """DeepSpeed AutoTP (no kernel injection) with balanced MQA shards: injection.autotp."""
+
+    name = "deepspeed-autotp"
+    fast_decode = False  # HF's own blocks: HF's forward
+    linear_paths = LocalBackend.linear_paths
+
+    @staticmethod
+    def _engine(model, dtype, tp_size, max_out_tokens):
+        from injection.autotp import init_autotp
+
+        return init_autotp(model, tp_size, dtype)
+
+    def _layer0(self):
+        block = self.model.transformer.h[0]
+        return {"attn_qkvw": block.attn.c_attn.weight.t(), "attn_ow": block.attn.c_proj.weight.t(),
+                "inter_w": block.mlp.c_fc.weight.t(), "output_w": block.mlp.c_proj.weight.t()}

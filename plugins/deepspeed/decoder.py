@@ -1,0 +1,88 @@
+"""The injected model's fast decode step: `InjectedDecoder`, and its optional `torch.compile`.
+
+One-token steps skip HF's model forward (its mask building and checks): embeddings -> the
+injected layers on the preallocated cache -> ln_f -> LM head, the LM head on the same CPU linears
+as the layers (`plugins.kernels`). Prefill and multi-token verification run HF's forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from plugins.hf import HFDecoder
+from plugins.kernels import PackedWeights, linear
+
+
+class InjectedDecoder(HFDecoder):
+    """`HFDecoder` with the fast one-token step. A padded batch's 4-D mask is a preallocated boolean
+    row written in place each step; an unpadded batch needs none."""
+
+    def __init__(self, model, cache, compile: bool = False):
+        super().__init__(model, cache)
+        layer = cache.layers[0]
+        batch = layer.keys.shape[0] if layer.is_initialized else 1
+        self.keep = torch.ones(batch, 1, 1, layer.capacity, dtype=torch.bool, device=model.device)
+        self.padded = False
+        head = model.lm_head
+        self.packs = None  # an int8 head (quantize_lm_head) runs as its own module
+        if type(head) is nn.Linear:
+            # oneDNN packs are made once per model, not per generate() call (the 200 MB head: ~0.1 s)
+            if not hasattr(head, "decode_packs"):
+                head.decode_packs = PackedWeights()
+            self.packs = head.decode_packs
+        self.step = compiled(self._step, cache) if compile else self._step
+
+    def _step(self, tokens, position_ids, mask):
+        t = self.model.transformer
+        h = t.wte(tokens) + t.wpe(position_ids)
+        for block in t.h:
+            h = block(h, None, layer_past=self.cache, attention_mask=mask)
+        h = t.ln_f(h)
+        if self.packs is None:
+            return self.model.lm_head(h)
+        return linear(h, self.model.lm_head.weight, None, False, self.packs)
+
+    def prefill(self, input_ids, attention_mask, position_ids):
+        self.padded = not bool(attention_mask.all())
+        return super().prefill(input_ids, attention_mask, position_ids)
+
+    def decode(self, tokens, attention_mask, position_ids):
+        mask = None
+        if self.padded:
+            mask = self.keep[:, :, :, :attention_mask.shape[1]]
+            mask.copy_(attention_mask[:, None, None, :])
+        return self.step(tokens, position_ids, mask)[:, -1]
+
+    def forward_tokens(self, tokens, attention_mask, position_ids):
+        if tokens.shape[1] == 1:
+            return self.decode(tokens, attention_mask, position_ids)[:, None]
+        return super().forward_tokens(tokens, attention_mask, position_ids)
+
+
+def compiled(step, cache):
+    """torch.compile(step), falling back to eager (with a warning) where compiling is unavailable or fails."""
+    try:
+        # freezing: weights become constants that inductor prepacks for oneDNN (CPU)
+        fast = torch.compile(step, dynamic=True, options={"freezing": True})
+    except Exception as exc:  # e.g. no compiler toolchain, unsupported Python
+        warnings.warn(f"torch.compile unavailable ({type(exc).__name__}: {exc}); decoding eagerly")
+        return step
+    state = {"fn": fast}
+
+    def run(*args):
+        length = cache.get_seq_length()
+        try:
+            return state["fn"](*args)
+        except Exception as exc:
+            if state["fn"] is step:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
+                          "decoding eagerly from now on")
+            cache.crop(length)  # undo what a partly run compiled step wrote
+            state["fn"] = step
+            return step(*args)
+
+    return run

@@ -1,0 +1,41 @@
+// The Python entry points of a decode kernel, included at the end of each ISA's source after it
+// has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)`,
+// `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`.
+#pragma once
+
+namespace {
+
+void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, float* dot) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) dots_int8<2>(f, m, w, K, dot + m);
+  if (m < M) dots_int8<1>(f, m, w, K, dot + m);
+}
+
+}  // namespace
+
+// x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
+  decode::check_inputs(x, weight, at::kBFloat16);
+  const int64_t M = x.size(0), K = x.size(1);
+  const decode::bf16* xp = x.data_ptr<decode::bf16>();
+  const decode::bf16* wp = weight.data_ptr<decode::bf16>();
+  return decode::for_each_output<1>(x, weight.size(0), nullptr, decode::vector_ptr(bias, weight.size(0), "bias"),
+                                    gelu, [&](int64_t n, int64_t, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); });
+}
+
+// x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> bias, bool gelu) {
+  decode::check_inputs(x, weight, at::kChar);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const FixedPointRows f = to_fixed_point_rows(x.data_ptr<decode::bf16>(), M, K);  // once, read by every weight row
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  return decode::for_each_output<1>(x, N, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"),
+                                    gelu, [&](int64_t n, int64_t, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
+  m.def("linear", &linear, (std::string("bf16 decode linear (") + ISA + ")").c_str());
+  m.def("linear_int8", &linear_int8, (std::string("int8 weight decode linear, bf16 in and out (") + ISA + ")").c_str());
+}

@@ -1,0 +1,23 @@
+"""A test helper the launcher builds in every TP rank: megatron-core's own dist-checkpoint writer
+on a real GPTModel (what Megatron-LM's training saves), to check our reader against upstream files."""
+
+from pathlib import Path
+
+from plugins.megatron import MegatronGPT
+
+
+class UpstreamWriter(MegatronGPT):
+    name = "megatron-upstream-writer"
+
+    def save_upstream(self, dst: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self.model.sharded_state_dict(), dst)  # every rank writes its shards
+        self.config.to_json_file(Path(dst) / "config.json")
+
+
+def save_upstream_in_process(model, config, dst: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model.sharded_state_dict(), str(dst))
+    config.to_json_file(dst / "config.json")
