@@ -16,7 +16,8 @@ from .mapping import ConversionError, check_hf_state
 def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
     src = Path(src)
     try:
-        config, state = read_hf_config(src), read_hf_state(src)
+        config = read_hf_config(src)
+        state = read_hf_state(src, config)  # names and shapes checked from the headers before reading
     except ConversionError:
         raise
     except ConfigError as e:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
 from plugins.core.backend import FLOAT_DTYPES
-from plugins.core.config import TANH_GELUS, ConfigError, check_tp, head_dim, kv_heads
+from plugins.core.config import TANH_GELUS, ConfigError, check_tp, head_dim, hf_shapes, kv_heads
 
 DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by (multiplied by TP)
 DIALECTS = ("mcore", "legacy", "bigcode")
@@ -240,27 +240,6 @@ def _by_layer(config, s):
 
 
 # --------------------------------------------------------------------------- hub checks
-
-def hf_shapes(config: GPTBigCodeConfig) -> dict[str, tuple[int, ...]]:
-    """Expected hub tensor shapes (HF names; lm_head only when untied)."""
-    h, d, g = config.n_embd, config.n_embd // config.n_head, kv_heads(config)
-    inner = config.n_inner or 4 * h
-    shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.wpe.weight": (config.n_positions, h)}
-    for i in range(config.n_layer):
-        p = f"transformer.h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
-            p + "attn.c_attn.weight": (h + 2 * g * d, h), p + "attn.c_attn.bias": (h + 2 * g * d,),
-            p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
-            p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
-            p + "mlp.c_fc.weight": (inner, h), p + "mlp.c_fc.bias": (inner,),
-            p + "mlp.c_proj.weight": (h, inner), p + "mlp.c_proj.bias": (h,),
-        })
-    shapes.update({"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)})
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
-
 
 def _check_keys(what: str, got, want) -> None:
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))

@@ -26,6 +26,7 @@ import torch
 from transformers import GPTBigCodeConfig
 
 from plugins.core.backend import FLOAT_DTYPES, dtype_name
+from plugins.core.config import check_hf_config, hf_shapes
 
 from .mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf, padded_vocab_size,
                       stored_dtype)
@@ -164,9 +165,11 @@ def read_meta(src: str | Path) -> dict:
 def read_config(src: str | Path) -> GPTBigCodeConfig:
     read_meta(src)
     try:
-        return GPTBigCodeConfig.from_json_file(Path(src) / "config.json")
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError) as e:
-        raise ConversionError(f"{src}/config.json: not a valid config ({e})") from None
+        config = GPTBigCodeConfig.from_json_file(Path(src) / "config.json")
+    except Exception as e:  # invalid JSON, transformers' own field validation
+        raise ConversionError(f"{src}/config.json: not a valid config ({type(e).__name__}: {e})") from None
+    check_hf_config(config, f"{src}/config.json")
+    return config
 
 
 def read_metadata(src: Path):
@@ -184,8 +187,6 @@ def read_metadata(src: Path):
 
 def expected_shapes(config: GPTBigCodeConfig, padded: int) -> dict[str, tuple]:
     """Global shape of every tensor the checkpoint must hold (from the mapping table, on meta tensors)."""
-    from .mapping import hf_shapes
-
     meta = {k: torch.empty(v, device="meta") for k, v in hf_shapes(config).items()}
     state = hf_to_megatron(meta, config, "mcore", 1, padded)[0]
     return {k: tuple(t.shape) for k, t in dist_tensors(state, config.n_layer).items()}

@@ -7,7 +7,9 @@ are kept in `UPSTREAM` (tests call them to show the upstream behaviour is still 
 
 from __future__ import annotations
 
+import glob
 import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -128,6 +130,36 @@ def _torch_backend_init(self, *args, **kwargs):
             os.unlink(os.path.join("/dev/shm", shm_segment(self.get_rank())))
         except FileNotFoundError:  # initialised earlier in this process (upstream makes it once)
             pass
+
+
+def sweep_shm_segments(min_age_s: float = 60.0) -> list[str]:
+    """Unlink this user's DeepSpeed all-reduce segments that no live process maps: what ranks killed
+    before patch 5's unlink (e.g. during a TP load) left in /dev/shm. Segments younger than
+    `min_age_s` are left alone (a run starting now may not have mapped them yet)."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return []
+    if not names:
+        return []
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.rsplit("/", 1)[-1].strip() for line in f if "/dev/shm/" + prefix in line)
+        except OSError:  # a process that ended, or another user's
+            continue
+    removed = []
+    for name in names:
+        path = os.path.join("/dev/shm", name)
+        try:
+            if name not in mapped and time.time() - os.stat(path).st_mtime >= min_age_s:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 def patch_comm() -> None:

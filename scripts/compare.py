@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print((out / "results.md").read_text())
     print(f"wrote {out}")
+    if rows and all(r.get("error") for r in rows):
+        print("error: every row failed (see results.md, section Failures)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -4,14 +4,15 @@
 Formats:
   hf                HF directory: config.json + model.safetensors (GPTBigCodeForCausalLM.from_pretrained)
   megatron          megatron-core dist_checkpointing directory (torch_dist)
-  megatron-legacy   Megatron-LM legacy: latest_checkpointed_iteration.txt + release/mp_rank_XX/model_optim_rng.pt
-  bigcode-megatron  BigCode's Megatron-LM fork (SantaCoder/StarCoder training), input only
+  megatron-legacy   Megatron-LM legacy: latest_checkpointed_iteration.txt + release/mp_rank_XX[_YYY]/model_optim_rng.pt
+  bigcode-megatron  BigCode's Megatron-LM fork (SantaCoder/StarCoder training): query + key_value for MQA
 
 Examples:
   python scripts/convert.py --from hf --to megatron-legacy --tp 2 ckpt/santacoder-1b /tmp/sc-legacy-tp2
   python scripts/convert.py --from megatron-legacy --to hf /tmp/sc-legacy-tp2 /tmp/sc-hf
   python scripts/convert.py --from hf --to megatron --tp 2 ckpt/santacoder-1b /tmp/sc-mcore
-  python scripts/convert.py --from bigcode-megatron --to hf /data/bigcode/iter_dir /tmp/sc-hf --dtype bfloat16
+  python scripts/convert.py --from bigcode-megatron --to hf /data/starcoder-ckpt /tmp/sc-hf --dtype bfloat16
+  python scripts/convert.py --from hf --to megatron-legacy --tp 4 --pp 4 ckpt/starcoder /tmp/sc-tp4-pp4
   python scripts/convert.py --from hf --to hf --kv-heads 1 ckpt/santacoder-1b-mha /tmp/sc-mqa   # MHA -> MQA
   python scripts/convert.py --from hf --to megatron-legacy --kv-heads 4 ckpt/santacoder-1b-mha /tmp/sc-gqa4
 """
@@ -32,6 +33,10 @@ def main(argv=None) -> int:
     ap.add_argument("src", type=Path, help="input checkpoint directory")
     ap.add_argument("dst", type=Path, help="output directory (must not exist unless --force)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the output (Megatron formats)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages of the output (megatron-legacy, bigcode-megatron)")
+    ap.add_argument("--iteration", type=int, default=None,
+                    help="which iteration of a Megatron-LM / BigCode-fork input (default: the tracker's latest)")
     ap.add_argument("--kv-heads", type=int, default=None,
                     help="mean-pool K/V heads into N groups (1 = MQA; 1<N<n_head = GQA, Megatron outputs only)")
     ap.add_argument("--dtype", default=None, help="cast weights: float32, bfloat16 or float16 (default: keep)")
@@ -44,8 +49,9 @@ def main(argv=None) -> int:
         from tqdm import tqdm
         bar = tqdm(unit="layer", file=sys.stderr)
     try:
-        s = convert(args.src, args.dst, args.src_format, args.dst_format, tp_size=args.tp,
-                    kv_heads=args.kv_heads, dtype=args.dtype, force=args.force, progress=bar)
+        s = convert(args.src, args.dst, args.src_format, args.dst_format, tp_size=args.tp, pp_size=args.pp,
+                    kv_heads=args.kv_heads, dtype=args.dtype, iteration=args.iteration, force=args.force,
+                    progress=bar)
     except ConfigError as e:
         if bar is not None:
             bar.close()
@@ -53,7 +59,8 @@ def main(argv=None) -> int:
         return 2
     if bar is not None:
         bar.close()
-    print(f"{s['from']} -> {s['to']} (tp_size={s['tp_size']}, kv_heads={s['kv_heads']}): {s['tensors']} tensors, "
+    print(f"{s['from']} -> {s['to']} (tp_size={s['tp_size']}, pp_size={s['pp_size']}, kv_heads={s['kv_heads']}): "
+          f"{s['tensors']} tensors, "
           f"{s['params'] / 1e6:.1f}M params, {s['bytes'] / 1e6:.1f} MB written to {s['dst']} in {s['seconds']:.2f} s")
     return 0
 

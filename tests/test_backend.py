@@ -30,3 +30,31 @@ def test_right_padding_is_rejected(ckpt_factory):
     ids = torch.ones((1, 4), dtype=torch.long)
     with pytest.raises(ConfigError, match="left-padded"):
         backend.logits(ids, torch.tensor([[1, 1, 1, 0]]))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda b: b.generate(torch.zeros((1, 0), dtype=torch.long), torch.zeros((1, 0), dtype=torch.long), 4),
+     "at least one prompt of at least one token"),
+    (lambda b: b.generate(torch.zeros((0, 3), dtype=torch.long), torch.zeros((0, 3), dtype=torch.long), 4),
+     "at least one prompt"),
+    (lambda b: b.generate(torch.ones((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.long), 2.5),
+     "max_new_tokens must be an integer"),
+    (lambda b: b.generate(torch.ones((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.long), True),
+     "max_new_tokens must be an integer"),
+    (lambda b: b.generate(torch.ones((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.long), 2,
+                          do_sample=True, temperature=float("nan")), "temperature must be a finite number"),
+    (lambda b: b.generate(torch.ones((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.long), 2,
+                          top_k=1.5), "top_k must be an integer"),
+    (lambda b: b.logits(torch.ones((1, 3), dtype=torch.long), torch.tensor([[0, 2, 1]])), "only 0 .* and 1"),
+    (lambda b: b.logits(torch.ones((1, 3), dtype=torch.long), torch.tensor([[0.0, 0.5, 1.0]])), "only 0 .* and 1"),
+    (lambda b: b.logits(torch.ones((1, 3)), torch.ones((1, 3))), "integer tensor"),
+])
+def test_bad_requests_are_one_clear_error_before_any_compute(call, message, ckpt_factory):
+    with pytest.raises(ConfigError, match=message):
+        call(HFBackend.from_hf(ckpt_factory("tiny")))
+
+
+@pytest.mark.parametrize("name", ["hf", "deepspeed"])
+def test_unknown_backend_option_is_a_clear_error(name, ckpt_factory):
+    with pytest.raises(ConfigError, match=f"unknown option.* colour for backend '{name}'; known: "):
+        load_backend(name, ckpt_factory("tiny"), colour="red")

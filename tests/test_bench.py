@@ -34,6 +34,10 @@ BASE = {"models": ["tiny"], "backends": ["hf"], "batch_sizes": [1], "prompt_leng
     ({"dtype": "float16"}, "float16 is not supported on CPU"),
     ({"project": ["tpu-v4"]}, "unknown hardware"),
     ({"project": "h100-80gb", "project_models": [3]}, "project_models must be a name"),
+    ({"new_tokens": [3, 7]}, "new_tokens must be one integer"),
+    ({"models": [{"config": "tiny", "label": "../../victim"}]}, "model label '../../victim' is not a plain name"),
+    ({"models": [{"config": "tiny", "label": ".."}]}, "not a plain name"),
+    ({"backends": ["hf", {"name": "megatron", "label": "a/b"}]}, "backend label 'a/b' is not a plain name"),
 ])
 def test_bench_config_is_strict(change, message):
     if "float16" in message and __import__("torch").cuda.is_available():
@@ -61,6 +65,26 @@ def test_bad_config_fails_before_any_work(tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown key(s) cycels" in proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+
+def test_a_run_where_every_row_fails_exits_nonzero(tmp_path, monkeypatch):
+    """compare.py's own decision, on the rows a run where nothing worked returns (every load failed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_script", REPO_ROOT / "scripts" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    cfg = {**BASE, "checkpoint_dir": str(tmp_path / "ckpt"), "warmup": 0, "cycles": 1}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
+    machine = {"mem_bw": 1e10, "peak_flops": 1e11, "mem_bytes": 1e10, "link_bw": 1e10, "gemv_bw": 1e10,
+               "gemm_dtype": "float32"}
+    monkeypatch.setattr(compare.probes, "measure_machine", lambda dtype: machine)
+    failed = [{"model": "tiny", "attention": "MQA", "backend": "hf", "backend_name": "hf", "tp_size": 1, "batch": 1,
+               "prompt_len": 8, "options": {}, "dtype": "float32", "new_tokens": 4, "error": "load failed: boom"}]
+    monkeypatch.setattr(compare.grid, "run_grid", lambda *a, **k: (failed, []))
+    assert compare.main([str(tmp_path / "b.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
+    monkeypatch.setattr(compare.grid, "run_grid", lambda *a, **k: ([], []))
+    assert compare.main([str(tmp_path / "b.yaml"), "--out", str(tmp_path / "out2"), "--no-progress"]) == 0
+
 
 # --- one tiny grid, end to end ------------------------------------------------------------------
 

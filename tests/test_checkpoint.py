@@ -46,7 +46,7 @@ def test_existing_checkpoint_is_not_overwritten(tmp_path):
     cfg = load_model_config("tiny")
     create_checkpoint(cfg, tmp_path / "m", seed=1)
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(ConfigError, match="already exists"):
         create_checkpoint(cfg, tmp_path / "m", seed=2)
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp dir left behind
@@ -58,3 +58,109 @@ def test_non_gpt_bigcode_directory_is_rejected(tmp_path):
         HFBackend.from_hf(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         HFBackend.from_hf(tmp_path / "missing")
+
+
+# --- the files users have: sharded safetensors, pytorch_model.bin, and bad ones ------------------
+
+def _weights(path):
+    return load_file(path / "model.safetensors")
+
+
+def test_sharded_safetensors_and_pytorch_bin_load_like_the_single_file(ckpt_factory, tmp_path, padded_batch):
+    """transformers' own sharded save (index + shards), and pytorch_model.bin as transformers 4.x wrote it
+    (torch.save of the state dict; 5.x writes safetensors only), both load (the .bin weights-only)."""
+    src = ckpt_factory("tiny")
+    hf = GPTBigCodeForCausalLM.from_pretrained(src)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    (tmp_path / "bin").mkdir()
+    hf.config.save_pretrained(tmp_path / "bin")
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    want = load_hf_model(src).state_dict()
+    _, ids, mask = padded_batch
+    ref = HFBackend.from_hf(src).logits(ids, mask)
+    for d in ("sharded", "bin"):
+        got = load_hf_model(tmp_path / d).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), d
+        assert torch.equal(HFBackend.from_hf(tmp_path / d).logits(ids, mask), ref), d
+
+
+def test_pytorch_bin_that_runs_code_is_refused(ckpt_factory, tmp_path):
+    import os
+
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "config.json").write_bytes((ckpt_factory("tiny") / "config.json").read_bytes())
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"transformer.wte.weight": Payload()}, d / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="pytorch_model.bin: refusing to load posix.system"):
+        load_hf_model(d)
+    assert not marker.exists()
+
+
+def test_duplicate_non_float_and_misshapen_weights_are_refused_before_allocating(ckpt_factory, tmp_path):
+    from safetensors.torch import save_file
+    import shutil
+
+    src = ckpt_factory("tiny")
+    w = _weights(src)
+    d = tmp_path / "dup"
+    shutil.copytree(src, d)
+    save_file({"transformer.wte.weight": w["transformer.wte.weight"]}, d / "extra.safetensors")
+    with pytest.raises(ConfigError, match="transformer.wte.weight is stored twice"):
+        load_hf_model(d)
+    d = tmp_path / "int"
+    shutil.copytree(src, d)
+    save_file({**w, "transformer.ln_f.bias": torch.zeros(64, dtype=torch.int32)}, d / "model.safetensors")
+    from plugins.core.checkpoint import read_hf_state
+
+    with pytest.raises(ConfigError, match="transformer.ln_f.bias is torch.int32"):
+        read_hf_state(d)
+    # a config.json claiming a model far larger than its files: refused from the headers, nothing allocated
+    d = tmp_path / "huge"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(n_embd=65536, n_head=4)  # ~100 GB of weights by config; the file holds 13 MB
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="has shape .* config.json says"):
+        load_hf_model(d)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: "{not json", "not valid JSON"),
+    (lambda c: {**c, "n_head": "4"}, "not a valid gpt_bigcode config .*n_head"),
+    (lambda c: {**c, "n_head": 0}, "n_head must be a positive integer, got 0"),
+    (lambda c: {**c, "n_embd": 63}, "n_embd \\(63\\) is not divisible by n_head \\(4\\)"),
+    (lambda c: {**c, "layer_norm_epsilon": -1.0}, "layer_norm_epsilon must be a number"),
+])
+def test_bad_config_json_is_one_clear_error(edit, message, ckpt_factory, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(ckpt_factory("tiny"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    new = edit(cfg)
+    (d / "config.json").write_text(new if isinstance(new, str) else json.dumps(new))
+    with pytest.raises(ConfigError, match=message):
+        HFBackend.from_hf(d)
+
+
+def test_hub_id_gets_a_hint():
+    with pytest.raises(ConfigError, match="looks like a hub id: nothing is downloaded"):
+        load_hf_model("bigcode/santacoder")
+
+
+def test_not_enough_memory_is_refused_before_allocating(ckpt_factory, monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 1000
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    with pytest.raises(ConfigError, match=r"the model needs .* GiB in float32, 0.0 GiB of memory is available"):
+        load_hf_model(ckpt_factory("tiny"))

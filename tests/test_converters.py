@@ -144,74 +144,6 @@ def test_legacy_untied_padded_vocab_and_dtype(ckpt_factory, tmp_path):
     assert all(torch.equal(w[k], w0[k].to(torch.bfloat16)) for k in w0)
 
 
-# --- BigCode Megatron-LM fork ---------------------------------------------------------------------
-
-def write_bigcode_fork(model, dst, tp):
-    """A BigCode-fork checkpoint written straight from the documented layout (STACK-NOTES), not via converters."""
-    c, sd = model.config, model.state_dict()
-    h, n = c.n_embd, c.n_head
-    args = Namespace(num_layers=c.n_layer, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=n,
-                     kv_channels=h // n, max_position_embeddings=c.n_positions, padded_vocab_size=c.vocab_size,
-                     attention_head_type="multiquery" if c.multi_query else "multihead", bias_gelu_fusion=True,
-                     openai_gelu=False, layernorm_epsilon=c.layer_norm_epsilon, tensor_model_parallel_size=tp,
-                     pipeline_model_parallel_size=1)
-    (dst / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True)
-    (dst / "latest_checkpointed_iteration.txt").write_text("1000\n")
-    for r in range(tp):
-        def part(t, dim):
-            return t.chunk(tp, dim)[r].clone()
-
-        enc = {}
-        for i in range(c.n_layer):
-            p, q = f"transformer.h.{i}.", f"layers.{i}."
-            for kind in ("weight", "bias"):
-                c_attn = sd[p + "attn.c_attn." + kind]
-                if c.multi_query:
-                    enc[q + "self_attention.query." + kind] = part(c_attn[:h], 0)
-                    enc[q + "self_attention.key_value." + kind] = c_attn[h:].clone()
-                else:
-                    enc[q + "self_attention.query_key_value." + kind] = part(c_attn, 0)
-                enc[q + "input_layernorm." + kind] = sd[p + "ln_1." + kind]
-                enc[q + "post_attention_layernorm." + kind] = sd[p + "ln_2." + kind]
-                enc[q + "mlp.dense_h_to_4h." + kind] = part(sd[p + "mlp.c_fc." + kind], 0)
-            enc[q + "self_attention.dense.weight"] = part(sd[p + "attn.c_proj.weight"], 1)
-            enc[q + "self_attention.dense.bias"] = sd[p + "attn.c_proj.bias"]
-            enc[q + "mlp.dense_4h_to_h.weight"] = part(sd[p + "mlp.c_proj.weight"], 1)
-            enc[q + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.c_proj.bias"]
-        enc["final_layernorm.weight"], enc["final_layernorm.bias"] = sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"]
-        lm = {"embedding": {"word_embeddings": {"weight": part(sd["transformer.wte.weight"], 0)},
-                            "position_embeddings": {"weight": sd["transformer.wpe.weight"]}},
-              "transformer": enc}  # the fork's (older) name for the encoder
-        d = dst / "iter_0001000" / f"mp_rank_{r:02d}"
-        d.mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1000, "model": {"language_model": lm}},
-                   d / "model_optim_rng.pt")
-
-
-@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
-def test_bigcode_fork_tp2_imports_to_hf(name, ckpt_factory, tmp_path, padded_batch):
-    src = ckpt_factory(name)
-    write_bigcode_fork(load_hf_model(src), tmp_path / "fork", tp=2)
-    convert(tmp_path / "fork", tmp_path / "hf", "bigcode-megatron", "hf")
-    model = load_hf_model(tmp_path / "hf")
-    assert model.config.multi_query == (name == "tiny")
-    assert max_logit_diff(src, tmp_path / "hf", padded_batch) <= 1e-5
-    _, w0 = read_hf(src)
-    _, w1 = read_hf(tmp_path / "hf")
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
-
-
-def test_bigcode_fork_differing_key_value_is_refused(ckpt_factory, tmp_path):
-    write_bigcode_fork(load_hf_model(ckpt_factory("tiny")), tmp_path / "fork", tp=2)
-    f = tmp_path / "fork" / "iter_0001000" / "mp_rank_01" / "model_optim_rng.pt"
-    ck = torch.load(f, weights_only=False)
-    ck["model"]["language_model"]["transformer"]["layers.1.self_attention.key_value.weight"][0, 0] += 1
-    torch.save(ck, f)
-    with pytest.raises(ConversionError, match=r"layers.1.self_attention.key_value.weight: .*ranks 0 and 1"):
-        convert(tmp_path / "fork", tmp_path / "hf", "bigcode-megatron", "hf")
-    assert_nothing_left(tmp_path / "hf")
-
-
 # --- MHA -> MQA / GQA -----------------------------------------------------------------------------
 
 def test_mha_to_mqa_loads_and_runs_in_hf(ckpt_factory, tmp_path, padded_batch):
@@ -396,14 +328,15 @@ def corrupt(kind, d):
 BAD = [  # (corruption, message)
     ("hf-truncated", "cannot read"),
     ("hf-garbage", "cannot read"),
-    ("hf-missing-key", "missing 1 tensor.*transformer.h.1.mlp.c_fc.bias"),
-    ("hf-extra-key", "unexpected tensor.*transformer.h.2.ln_1.weight"),
-    ("hf-shape", r"transformer.h.0.ln_2.bias has shape \(65,\), expected \(64,\)"),
+    ("hf-missing-key", r"missing \['transformer.h.1.mlp.c_fc.bias'\]"),
+    ("hf-extra-key", r"unexpected \['transformer.h.2.ln_1.weight'\]"),
+    ("hf-shape", r"transformer.h.0.ln_2.bias has shape \(65,\), config.json says \(64,\)"),
     ("legacy-truncated", r"cannot read .*mp_rank_01"),
     ("legacy-missing-key", "TP rank 1: missing 1 tensor.*layers.0.mlp.dense_h_to_4h.weight"),
     ("legacy-extra-key", "TP rank 0: 1 unexpected tensor.*rotary"),
     ("legacy-shape", r"TP rank 1: .*layers.1.self_attention.dense.weight has shape \(64, 64\), expected \(64, 32\)"),
-    ("legacy-kv-differs", r"layers.0.self_attention.query_key_value.weight \(K/V rows\): .*ranks 0 and 1"),
+    # MQA at TP=2 is stored as 2 identical K/V groups (NVIDIA's layout); copies that differ are 2 real KV heads
+    ("legacy-kv-differs", r"supports only MQA \(1 KV head\) or MHA \(4 KV heads\), not 2 KV heads"),
     ("legacy-layernorm-differs", r"layers.1.input_layernorm.weight: replicated tensor differs between TP ranks 0 and 1"),
 ]
 
@@ -428,7 +361,10 @@ def test_bad_checkpoint_gives_one_clear_error(kind, message, ckpt_factory, tmp_p
     (dict(src_format="hf", dst_format="megatron-legacy", tp_size=3), "tp_size 3 does not divide n_head 4"),
     (dict(src_format="hf", dst_format="hf", tp_size=2), "HF format has no tensor parallelism"),
     (dict(src_format="safetensors", dst_format="hf"), "unknown input format 'safetensors'"),
-    (dict(src_format="hf", dst_format="bigcode-megatron"), "unknown output format 'bigcode-megatron'"),
+    (dict(src_format="hf", dst_format="gguf"), "unknown output format 'gguf'"),
+    (dict(src_format="hf", dst_format="hf", pp_size=2), "format 'hf' has no pipeline stages"),
+    (dict(src_format="hf", dst_format="megatron-legacy", pp_size=3), "pp_size 3 does not divide n_layer 2"),
+    (dict(src_format="hf", dst_format="megatron", iteration=5), "format 'hf' has no iterations"),
     (dict(src_format="megatron-legacy", dst_format="hf"), "not a Megatron-LM checkpoint"),
     (dict(src_format="hf", dst_format="hf", kv_heads=3), "kv_heads=3"),
     (dict(src_format="hf", dst_format="hf", dtype="float8"), "unknown dtype"),
@@ -439,15 +375,21 @@ def test_bad_request_gives_one_clear_error(kwargs, message, ckpt_factory, tmp_pa
     assert_nothing_left(tmp_path / "dst")
 
 
-def test_existing_dst_needs_force(ckpt_factory, tmp_path):
+def test_existing_dst_needs_force_and_force_replaces_only_a_checkpoint(ckpt_factory, tmp_path):
     dst = tmp_path / "dst"
-    dst.mkdir()
+    convert(ckpt_factory("tiny"), dst, "hf", "hf")
     (dst / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="already exists"):
         convert(ckpt_factory("tiny"), dst, "hf", "megatron-legacy")
     assert (dst / "keep.txt").read_text() == "mine"
     convert(ckpt_factory("tiny"), dst, "hf", "megatron-legacy", force=True)
     assert not (dst / "keep.txt").exists() and (dst / "latest_checkpointed_iteration.txt").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="not a checkpoint directory"):
+        convert(ckpt_factory("tiny"), mine, "hf", "megatron-legacy", force=True)
+    assert (mine / "keep.txt").read_text() == "mine"
 
 
 def test_failed_verification_leaves_nothing(ckpt_factory, tmp_path, monkeypatch):
@@ -464,14 +406,112 @@ def test_failed_verification_leaves_nothing(ckpt_factory, tmp_path, monkeypatch)
     assert_nothing_left(tmp_path / "dst")
 
 
+def _megatron_core(ckpt_factory, tmp_path):
+    convert(ckpt_factory("tiny"), tmp_path / "mcore", "hf", "megatron")
+    return tmp_path / "mcore"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "megatron.json").write_text("{oops"), "megatron.json or metadata.json is not valid JSON"),
+    (lambda d: (d / "megatron.json").write_text('{"padded_vocab_size": "big"}'), "integer padded_vocab_size"),
+    (lambda d: (d / ".metadata").unlink(), "no .metadata"),
+    (lambda d: (d / ".metadata").write_bytes(b"\x80\x04garbage"), "cannot read .*.metadata"),
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace('"n_embd": 64', '"n_embd": 63')),
+     r"n_embd \(63\) is not divisible"),
+    (lambda d: [f.write_bytes(f.read_bytes()[:100]) for f in d.glob("*.distcp")], "lies outside|truncated"),
+])
+def test_broken_megatron_core_checkpoint_is_one_clear_error(damage, message, ckpt_factory, tmp_path):
+    src = _megatron_core(ckpt_factory, tmp_path)
+    damage(src)
+    with pytest.raises(ConversionError, match=message):
+        convert(src, tmp_path / "hf", "megatron", "hf")
+    assert_nothing_left(tmp_path / "hf")
+
+
+def test_megatron_core_extra_state_objects_are_never_unpickled(ckpt_factory, tmp_path):
+    """megatron-core loads `_extra_state` objects with weights_only=False; we never read them, so a payload
+    planted there does not run."""
+    import torch.distributed.checkpoint as dcp
+
+    from converters.megatron_core import dist_tensors
+    from converters.mapping import hf_to_megatron
+
+    src = _megatron_core(ckpt_factory, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    config, hub = megatron_core.read(src)
+    tensors = dist_tensors(hf_to_megatron(hub, config, "mcore", 1, 49152)[0], config.n_layer)
+    objects = {f"decoder.layers.{m}._extra_state/shard_{i}_2": Payload() for m in megatron_core.EXTRA_STATE
+               for i in range(2)}
+    for f in [*src.glob("*.distcp"), src / ".metadata"]:
+        f.unlink()
+    dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(str(src), thread_count=1),
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    _, read_back = megatron_core.read(src)
+    assert all(torch.equal(read_back[k], hub[k]) for k in hub)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: delattr(a, "hidden_size"), "args.hidden_size must be a positive integer, got None"),
+    (lambda a: setattr(a, "num_attention_heads", 0), "args.num_attention_heads must be a positive integer, got 0"),
+    (lambda a: setattr(a, "num_layers", "2"), "args.num_layers must be a positive integer"),
+    (lambda a: setattr(a, "tensor_model_parallel_size", None), "args.tensor_model_parallel_size"),
+])
+def test_malformed_legacy_args_are_one_clear_error(edit, message, ckpt_factory, tmp_path):
+    convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy")
+    f = tmp_path / "l" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    ck = load_rank(tmp_path / "l", 0)
+    edit(ck["args"])
+    torch.save(ck, f)
+    with pytest.raises(ConversionError, match=message):
+        convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")
+    assert_nothing_left(tmp_path / "hf")
+
+
+def test_bad_tracker_file_is_one_clear_error(ckpt_factory, tmp_path):
+    convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy")
+    (tmp_path / "l" / "latest_checkpointed_iteration.txt").write_text("last Tuesday")
+    with pytest.raises(ConversionError, match="expected 'release' or an iteration number"):
+        convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")
+    (tmp_path / "l" / "latest_checkpointed_iteration.txt").write_text("300")
+    with pytest.raises(ConversionError, match="names '300' but iter_0000300/ is missing"):
+        convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")
+
+
+def test_nan_weights_are_named_not_blamed_on_the_read_back(ckpt_factory, tmp_path):
+    import shutil
+
+    shutil.copytree(ckpt_factory("tiny"), tmp_path / "src")
+    edit_safetensors(tmp_path / "src", lambda w: w["transformer.h.1.attn.c_proj.weight"].__setitem__((0, 0), float("nan")))
+    with pytest.raises(ConversionError, match="transformer.h.1.attn.c_proj.weight holds NaN or infinite values"):
+        convert(tmp_path / "src", tmp_path / "out", "hf", "megatron-legacy")
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_float16_storage_works_on_cpu(ckpt_factory, tmp_path):
+    """Refusing fp16 compute on CPU is right; a conversion only casts, so fp16 files are fine."""
+    convert(ckpt_factory("tiny"), tmp_path / "fp16", "hf", "hf", dtype="float16")
+    w = read_hf(tmp_path / "fp16")[1]
+    assert all(t.dtype == torch.float16 for t in w.values())
+    convert(tmp_path / "fp16", tmp_path / "l", "hf", "megatron-legacy", tp_size=2)
+    assert load_rank(tmp_path / "l", 0)["args"].fp16
+
+
 # --- CLI ------------------------------------------------------------------------------------------
 
 def test_cli_converts_and_reports(ckpt_factory, tmp_path, capsys):
     src = ckpt_factory("tiny")
     assert convert_cli(["--from", "hf", "--to", "megatron-legacy", "--tp", "2", "--quiet", str(src), str(tmp_path / "l")]) == 0
     out = capsys.readouterr().out
-    assert "hf -> megatron-legacy (tp_size=2, kv_heads=1): 28 tensors" in out and "MB written" in out
+    assert "hf -> megatron-legacy (tp_size=2, pp_size=1, kv_heads=1): 28 tensors" in out and "MB written" in out
     assert convert_cli(["--from", "megatron-legacy", "--to", "hf", str(tmp_path / "l"), str(tmp_path / "l")]) == 2
+    assert "is SRC" in capsys.readouterr().err
+    assert convert_cli(["--from", "hf", "--to", "hf", str(src), str(tmp_path / "l")]) == 2
     assert "already exists" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         convert_cli(["--help"])

@@ -3,7 +3,12 @@ gloo): every call reaches every rank, results come back from rank 0, worker erro
 their traceback, and a dead or stuck rank is an error in the parent, not a hang."""
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +55,15 @@ class Probe:
         if self.rank == rank:
             time.sleep(seconds)
         dist.barrier()
+
+    def echo_slowly(self, value, seconds):
+        time.sleep(seconds)  # long enough for other threads' calls to arrive meanwhile
+        return value
+
+    def pids(self):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, os.getpid())
+        return out
 
     def close(self):
         pass
@@ -109,3 +123,80 @@ def test_deepspeed_launcher():
 def test_unknown_launcher():
     with pytest.raises(ValueError, match="unknown launcher"):
         RemoteBackend(PROBE, ".", tp_size=2, launcher="mpirun")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (dead, not yet reaped by its parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, seconds=30):
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_concurrent_callers_each_get_their_own_answer(probe):
+    """Three threads call one RemoteBackend at once: calls are serialized, answers never swapped."""
+    got = {}
+
+    def call(i):
+        got[i] = probe.echo_slowly(i * 100, 0.3)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert got == {0: 0, 1: 100, 2: 200}
+
+
+def test_stopped_rank_is_killed_with_the_others_after_a_timeout():
+    remote = RemoteBackend(PROBE, ".", tp_size=2)
+    pids = remote.pids()
+    os.kill(pids[1], signal.SIGSTOP)
+    remote.timeout_s = 3
+    with pytest.raises(WorkerError, match="did not answer within 3 s"):
+        remote.add(1)
+    assert _wait_gone(pids + [remote._proc.pid]) == []
+    remote.close()
+
+
+def test_ranks_die_when_torchrun_dies():
+    remote = RemoteBackend(PROBE, ".", tp_size=2)
+    pids = remote.pids()
+    os.kill(remote._proc.pid, signal.SIGKILL)  # torchrun gets no chance to stop its ranks
+    assert _wait_gone(pids) == [], "ranks outlived torchrun"
+    remote.close()
+
+
+def test_workers_die_when_their_parent_process_dies(tmp_path):
+    """A process that started TP workers is SIGKILLed: torchrun and the ranks follow it."""
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from plugins.core.launcher import RemoteBackend
+r = RemoteBackend({PROBE!r}, ".", tp_size=2)
+print(r._proc.pid, *r.pids(), flush=True)
+time.sleep(600)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 3
+    parent.kill()
+    parent.wait()
+    assert _wait_gone(pids) == [], "workers outlived the process that started them"
+
+
+def test_lost_rank_is_named_right():
+    remote = RemoteBackend(PROBE, ".", tp_size=2, timeout_s=120)
+    with pytest.raises(WorkerError) as err:
+        remote.exit(1)
+    message = str(err.value).splitlines()[0]
+    assert "rank 0" not in message and ("rank 1" in message or "workers" in message), message
+    remote.close()

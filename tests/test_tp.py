@@ -7,6 +7,7 @@ launcher); results come back from rank 0. The first run JIT-compiles DeepSpeed's
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,39 @@ def test_shm_allreduce_segments_are_not_left_in_dev_shm(tmp_path, mode):
     for path in left:
         path.unlink()
     assert len(left) == (TP if mode == "upstream" else 0)
+
+
+def test_orphaned_segments_are_swept_live_and_young_ones_kept():
+    """What a rank killed before patch 5's unlink leaves (67 MB of RAM each): removed when no live
+    process maps it; a mapped one, or one younger than a minute, is kept."""
+    import mmap
+
+    from injection.compat import sweep_shm_segments
+
+    prefix = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_test{os.getpid()}_"
+    orphan, mapped, young = (Path(prefix + name) for name in ("orphan", "mapped", "young"))
+    for path in (orphan, mapped, young):
+        path.write_bytes(b"\0" * 4096)
+    old = time.time() - 3600
+    os.utime(orphan, (old, old))
+    os.utime(mapped, (old, old))
+    with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096) as view:
+        removed = sweep_shm_segments()
+        assert view[:1] == b"\0"
+    try:
+        assert orphan.name in removed and not orphan.exists()
+        assert mapped.exists() and young.exists()
+    finally:
+        for path in (mapped, young):
+            path.unlink(missing_ok=True)
+
+
+def test_launcher_options_reach_the_ranks(ckpt_factory):
+    """timeout_s (and env, launcher) are options of the TP backend: a timeout too short to start is an error."""
+    from plugins.core.launcher import WorkerError
+
+    with pytest.raises(WorkerError, match="did not answer within 0.5 s while starting"):
+        load_backend("deepspeed", ckpt_factory("tiny"), tp_size=2, timeout_s=0.5)
 
 
 NO_LOCAL_SIZE_SCRIPT = r"""

@@ -7,6 +7,7 @@ run never fails late on something its config already said.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -71,6 +72,25 @@ def _positive_ints(key, value, allow_zero=False) -> tuple:
     return tuple(values)
 
 
+def _positive_int(key, value, allow_zero=False) -> int:
+    if isinstance(value, list):
+        raise ConfigError(f"{key} must be one integer, got the list {value!r}")
+    return _positive_ints(key, value, allow_zero)[0]
+
+
+# Labels name files and directories (checkpoints/<model label>-seed<seed>, profile traces): plain names only.
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+_BACKEND_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")
+
+
+def _label(kind: str, value, pattern) -> str:
+    label = str(value)
+    if not pattern.fullmatch(label) or ".." in label:
+        raise ConfigError(f"{kind} label {label!r} is not a plain name (letters, digits, '.', '_', '+', '-'"
+                          f"{', spaces' if pattern is _BACKEND_LABEL else ''}; no path separators)")
+    return label
+
+
 def _names(key, value) -> tuple:
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, str) and v for v in values):
@@ -86,15 +106,15 @@ def _check_keys(raw: dict, allowed: set, where: str, hint: str = "") -> None:
 
 def _model_entry(raw) -> ModelEntry:
     if isinstance(raw, str):
-        return ModelEntry(label=Path(raw).stem, config=raw)
+        return ModelEntry(label=_label("model", Path(raw).stem, _LABEL), config=raw)
     if not isinstance(raw, dict) or "config" not in raw:
         raise ConfigError(f"a models entry is a config name or a mapping with 'config', got {raw!r}")
     _check_keys(raw, _MODEL_KEYS, "models entry")
     overrides = raw.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise ConfigError(f"models entry {raw['config']!r}: overrides must be a mapping")
-    return ModelEntry(label=str(raw.get("label") or Path(raw["config"]).stem), config=raw["config"],
-                      overrides=dict(overrides))
+    return ModelEntry(label=_label("model", raw.get("label") or Path(raw["config"]).stem, _LABEL),
+                      config=raw["config"], overrides=dict(overrides))
 
 
 def _backend_entry(raw) -> BackendEntry:
@@ -113,7 +133,7 @@ def _backend_entry(raw) -> BackendEntry:
     if not isinstance(options, dict):
         raise ConfigError(f"backends entry {name!r}: options must be a mapping")
     label = raw.get("label") or (name if tp[0] == 1 else f"{name} tp{tp[0]}")
-    return BackendEntry(label=str(label), name=name, tp_size=tp[0], options=dict(options))
+    return BackendEntry(label=_label("backend", label, _BACKEND_LABEL), name=name, tp_size=tp[0], options=dict(options))
 
 
 def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
@@ -139,16 +159,16 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
         models=models, backends=backends,
         batch_sizes=_positive_ints("batch_sizes", raw["batch_sizes"]),
         prompt_lengths=_positive_ints("prompt_lengths", raw["prompt_lengths"]),
-        new_tokens=_positive_ints("new_tokens", raw["new_tokens"])[0],
+        new_tokens=_positive_int("new_tokens", raw["new_tokens"]),
         dtype=str(raw.get("dtype", "float32")),
-        warmup=_positive_ints("warmup", raw.get("warmup", 1), allow_zero=True)[0],
-        cycles=_positive_ints("cycles", raw.get("cycles", 3))[0],
-        seed=_positive_ints("seed", raw.get("seed", 0), allow_zero=True)[0],
-        logit_batch=_positive_ints("logit_batch", raw.get("logit_batch", 4))[0],
+        warmup=_positive_int("warmup", raw.get("warmup", 1), allow_zero=True),
+        cycles=_positive_int("cycles", raw.get("cycles", 3)),
+        seed=_positive_int("seed", raw.get("seed", 0), allow_zero=True),
+        logit_batch=_positive_int("logit_batch", raw.get("logit_batch", 4)),
         checkpoint_dir=str(raw.get("checkpoint_dir", "checkpoints")),
         project=_names("project", raw.get("project", [])),
         project_models=_names("project_models", raw.get("project_models", ["starcoder-15b"])),
-        project_context=_positive_ints("project_context", raw.get("project_context", 2048))[0],
+        project_context=_positive_int("project_context", raw.get("project_context", 2048)),
         project_batches=_positive_ints("project_batches", raw.get("project_batches", [1, 64])),
         name=name,
     )

@@ -23,7 +23,7 @@ import torch
 from plugins import kernels
 from plugins.core.backend import backend_class, load_backend, resolve_dtype
 from plugins.core.checkpoint import ensure_checkpoint
-from plugins.core.config import REPO_ROOT
+from plugins.core.config import REPO_ROOT, ConfigError
 from plugins.core.tokenizer import load_tokenizer, make_batch
 
 from . import roofline
@@ -151,8 +151,11 @@ def profile_backend(backend, input_ids, mask, new_tokens: int, path: Path) -> No
 
 def checkpoint_for(cfg: BenchConfig, model: ModelEntry) -> Path:
     root = Path(cfg.checkpoint_dir)
-    root = root if root.is_absolute() else REPO_ROOT / root
-    return ensure_checkpoint(model.hf_config(), root / f"{model.label}-seed{cfg.seed}", seed=cfg.seed)
+    root = (root if root.is_absolute() else REPO_ROOT / root).resolve()
+    path = (root / f"{model.label}-seed{cfg.seed}").resolve()
+    if path.parent != root:  # labels are plain names (config.py); this holds whatever the file system does
+        raise ConfigError(f"model label {model.label!r} leads outside checkpoint_dir {root}")
+    return ensure_checkpoint(model.hf_config(), path, seed=cfg.seed)
 
 
 def _error(exc: BaseException) -> str:

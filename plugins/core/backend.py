@@ -8,6 +8,7 @@ engines are found by name in `BACKENDS`, never imported by the layers below them
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -83,7 +84,16 @@ def backend_class(name: str):
 
 
 def load_backend(name: str, hf_dir: str | Path, dtype="float32", tp_size: int = 1, **options) -> Backend:
-    return backend_class(name).from_hf(hf_dir, dtype=dtype, tp_size=tp_size, **options)
+    """Backend `name` (a key of BACKENDS) on the HF checkpoint `hf_dir`; options are the backend's own."""
+    cls = backend_class(name)
+    params = inspect.signature(cls.from_hf).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        known = [p for p in params if p not in ("cls", "hf_dir", "dtype", "tp_size")]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)} for backend {name!r}; "
+                              f"known: {', '.join(known) or 'none'}")
+    return cls.from_hf(hf_dir, dtype=dtype, tp_size=tp_size, **options)
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -95,6 +105,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what weights ma
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def storage_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype weights may be stored in (float16 included: storing is only a cast, on any device)."""
+    return resolve_dtype(dtype, device="cuda")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
@@ -120,19 +135,26 @@ def check_load(config: GPTBigCodeConfig, tp_size: int, max_tp: int | None = None
 
 def check_inputs(config: GPTBigCodeConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  max_new_tokens: int = 0) -> None:
-    """Shapes, left padding and length against n_positions, checked before any compute."""
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-        raise ConfigError(f"input_ids must be an integer tensor [batch, seq], got {tuple(input_ids.shape)} "
-                          f"{input_ids.dtype}")
-    if attention_mask is None or attention_mask.shape != input_ids.shape:
-        raise ConfigError("attention_mask must have the same shape as input_ids")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+    """Shapes, values, left padding and length against n_positions, checked before any compute."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32,
+                                                                                                  torch.int64):
+        raise ConfigError(f"input_ids must be an integer tensor [batch, seq], got "
+                          f"{tuple(getattr(input_ids, 'shape', ()))} {getattr(input_ids, 'dtype', type(input_ids))}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ConfigError(f"input_ids must hold at least one prompt of at least one token, got "
+                          f"{tuple(input_ids.shape)}")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ConfigError("attention_mask must be a tensor of the same shape as input_ids")
+    if attention_mask.is_floating_point() or attention_mask.is_complex() or bool(
+            ((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ConfigError("attention_mask must hold only 0 (padding) and 1 (token), as integers or booleans")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size:
         raise ConfigError(f"token ids must lie in [0, {config.vocab_size})")
     mask = attention_mask.bool()
     if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
         raise ConfigError("attention_mask must be left-padded (zeros first, then ones)")
-    if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     total = input_ids.shape[1] + max_new_tokens
     if total > config.n_positions:
         raise ConfigError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "

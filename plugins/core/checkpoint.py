@@ -9,20 +9,23 @@ tensors directly, so no random init is ever paid for weights that are about to b
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
-import shutil
-import tempfile
+import pickle
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
-from .config import ConfigError
+from .atomic import atomic_dir
+from .backend import FLOAT_DTYPES, dtype_name
+from .config import ConfigError, check_hf_config, hf_shapes
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -69,24 +72,6 @@ def init_model(config: GPTBigCodeConfig, seed: int = 0, dtype: torch.dtype = tor
     return model
 
 
-@contextmanager
-def atomic_dir(dst: Path, force: bool = False):
-    """Yield a temp dir beside `dst`; on success it replaces `dst`, on error it is removed."""
-    dst = Path(dst)
-    if dst.exists() and not force:
-        raise FileExistsError(f"{dst} already exists (pass force=True / --force to overwrite)")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
-
-
 def save_hf_dir(model: GPTBigCodeForCausalLM, dst: str | Path, force: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` that `from_pretrained` loads."""
     dst = Path(dst)
@@ -108,7 +93,10 @@ def ensure_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0) 
     """Reuse `dst` if it holds this config (same architecture), else (re)create it."""
     dst = Path(dst)
     if (dst / WEIGHTS_NAME).is_file() and (dst / "config.json").is_file():
-        saved = json.loads((dst / "config.json").read_text())
+        try:
+            saved = json.loads((dst / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            saved = {}
         want = config.to_dict()
         keys = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions", "multi_query", "n_inner")
         if all(saved.get(k) == want.get(k) for k in keys):
@@ -117,49 +105,185 @@ def ensure_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0) 
 
 
 def read_hf_config(src: str | Path) -> GPTBigCodeConfig:
+    """The config of an HF gpt_bigcode directory, its architecture checked (check_hf_config)."""
     src = Path(src)
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"{src} is not an HF model directory (no config.json)")
-    model_type = json.loads(cfg_file.read_text()).get("model_type")
-    if model_type != "gpt_bigcode":
-        raise ConfigError(f"{src} holds a {model_type!r} model, not gpt_bigcode")
-    return GPTBigCodeConfig.from_pretrained(src)
+        hint = ""
+        if not src.exists() and len(Path(str(src)).parts) == 2 and not str(src).startswith((".", "/", "~")):
+            hint = ("; it looks like a hub id: nothing is downloaded here, point to a local directory "
+                    "(e.g. one made by scripts/make_checkpoint.py or scripts/convert.py)")
+        raise ConfigError(f"{src} is not an HF model directory (no config.json){hint}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object")
+    if raw.get("model_type") != "gpt_bigcode":
+        raise ConfigError(f"{src} holds a {raw.get('model_type')!r} model, not gpt_bigcode")
+    try:
+        config = GPTBigCodeConfig.from_dict(raw)
+    except Exception as e:  # transformers' own field validation (type errors, strict dataclass checks)
+        raise ConfigError(f"{cfg_file}: not a valid gpt_bigcode config ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
+    check_hf_config(config, str(cfg_file))
+    return config
 
 
-def read_hf_state(src: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory's `*.safetensors` files (the one reader: backends and converters)."""
-    src = Path(src)
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{src} has no *.safetensors weights")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConfigError(f"cannot read {f}: {e}") from None
+def _weight_files(src: Path) -> list[Path]:
+    """The weight files of an HF directory: sharded or single safetensors, else pytorch_model*.bin."""
+    for index, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                           ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        if (src / index).is_file():
+            try:
+                weight_map = json.loads((src / index).read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{src / index}: not a weight index ({type(e).__name__}: {e})") from None
+            files = [src / n for n in names]
+            missing = [f.name for f in files if not f.is_file() or f.parent != src]
+            if missing:
+                raise ConfigError(f"{src}: shard(s) {', '.join(missing[:3])} named in {index} are missing")
+            return files
+        files = sorted(src.glob(pattern))
+        if files:
+            return files
+    raise ConfigError(f"{src} has no weights (*.safetensors or pytorch_model*.bin)")
+
+
+def load_error(f: Path, e: BaseException) -> str:
+    """One line for a file torch.load (weights-only) or safetensors could not read."""
+    refused = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(e))
+    if refused:
+        return (f"{f}: refusing to load {refused.group(1)} (no code from a checkpoint runs: only tensors, "
+                "plain containers and known argument types load)")
+    return f"cannot read {f}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+MAX_HEADER = 100 << 20  # what the safetensors library itself accepts
+
+
+def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file as tensors mapped from it (private, copy-on-write): nothing is copied or
+    allocated until a tensor is written or cast, so reading a checkpoint costs page cache, not memory.
+    The header is checked as the safetensors library checks it (sizes, offsets within the file)."""
+    with open(f, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("file shorter than a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER or 8 + n > size:
+            raise ValueError(f"header of {n} bytes does not fit the file ({size} bytes)")
+        header = json.loads(fh.read(n))
+        data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    out, start = {}, 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if dtype is not None else (None, None)
+        if (dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2):
+            raise ValueError(f"tensor {name!r}: malformed header entry {str(info)[:100]}")
+        begin, end = offsets
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end and start + end <= size
+                and end - begin == nbytes):
+            raise ValueError(f"tensor {name!r}: data {offsets} does not match its shape {shape} or the file")
+        t = (torch.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize, offset=start + begin)
+             if nbytes else torch.empty(0, dtype=dtype))
+        out[name] = t.view(shape)
+    return out
+
+
+def _read_file(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        if f.suffix == ".safetensors":
+            return read_safetensors(f)
+        # no code from the file runs: torch's restricted unpickler (tensors and plain containers only)
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise ConfigError(load_error(f, e)) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{f}: not a state dict of tensors")
     return state
+
+
+def _header_shapes(f: Path) -> dict[str, tuple]:
+    """Tensor names and shapes of a weight file; the tensors are mapped, nothing is read or copied."""
+    return {k: tuple(v.shape) for k, v in _read_file(f).items()}
+
+
+def check_weight_shapes(src: Path, config: GPTBigCodeConfig) -> None:
+    """Names and shapes of every stored tensor against the config, before any weight is allocated."""
+    want = hf_shapes(config)
+    got, where = {}, {}
+    for f in _weight_files(src):
+        for k, shape in _header_shapes(f).items():
+            if k in got:
+                raise ConfigError(f"{src}: tensor {k} is stored twice ({where[k]} and {f.name})")
+            got[k], where[k] = shape, f.name
+    if config.tie_word_embeddings:
+        got.pop("lm_head.weight", None)  # some writers store the tied head too
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise ConfigError(f"{src}: weights do not match config.json (missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, shape in want.items():
+        if got[k] != shape:
+            raise ConfigError(f"{src}: {k} has shape {got[k]}, config.json says {shape}")
+
+
+def read_hf_state(src: str | Path, config: GPTBigCodeConfig | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory (the one reader: backends and converters). Sharded or single
+    safetensors, or pytorch_model*.bin read weights-only. With `config`, names and shapes are checked
+    against it from the files' headers before any tensor is read. A tied `lm_head.weight` is dropped."""
+    src = Path(src)
+    if config is not None:
+        check_weight_shapes(src, config)
+    state = {}
+    for f in _weight_files(src):
+        part = _read_file(f)
+        dup = sorted(set(part) & set(state))
+        if dup:
+            raise ConfigError(f"{src}: tensor {dup[0]} is stored in more than one file")
+        state.update(part)
+    bad = sorted(k for k, v in state.items() if v.dtype not in FLOAT_DTYPES)
+    if bad:
+        raise ConfigError(f"{src}: {bad[0]} is {state[bad[0]].dtype}; gpt_bigcode weights are floating point")
+    if config is not None and config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def check_memory(config: GPTBigCodeConfig, dtype: torch.dtype, what: str) -> None:
+    """Refuse to build a model that cannot fit in this machine's available memory."""
+    need = sum(math.prod(s) for s in hf_shapes(config).values()) * torch.empty((), dtype=dtype).element_size()
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise ConfigError(f"{what}: the model needs {need / 2**30:.1f} GiB in {dtype_name(dtype)}, "
+                          f"{free / 2**30:.1f} GiB of memory is available")
 
 
 def load_hf_model(src: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                   config: GPTBigCodeConfig | None = None) -> GPTBigCodeForCausalLM:
     """Load an HF gpt_bigcode directory without any random init (meta build + assign); `config`: the
-    directory's config when the caller has read it already."""
+    directory's config when the caller has read it already. Names, shapes and memory are checked
+    before anything is allocated."""
     src = Path(src)
     config = config or read_hf_config(src)
     config._attn_implementation = attn_implementation
-    state = read_hf_state(src)
+    check_weight_shapes(src, config)
+    check_memory(config, dtype, str(src))
+    # copies in memory (the files are only mapped while reading): a running model never depends on them
+    state = {k: v.to(dtype, copy=True) for k, v in read_hf_state(src, config).items()}
     model = _build_empty(config)
-    state = {k: v.to(dtype) for k, v in state.items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = set(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or extra:
-        raise ConfigError(f"{src}: weights do not match the config (missing {missing[:5]}, unexpected {extra[:5]})")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.to(dtype)

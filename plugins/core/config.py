@@ -43,12 +43,7 @@ class ModelSpec:
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head})")
+        check_hf_config(self, "model config")
 
     def to_hf(self) -> GPTBigCodeConfig:
         return GPTBigCodeConfig(
@@ -138,3 +133,48 @@ def check_tp(config: GPTBigCodeConfig, tp_size: int) -> None:
         raise ConfigError(f"{groups} KV heads do not divide n_head {config.n_head}")
     if groups % tp_size and tp_size % groups:
         raise ConfigError(f"tp_size {tp_size} and {groups} KV heads: one must divide the other")
+
+
+def check_hf_config(config: GPTBigCodeConfig, where: str = "config") -> None:
+    """A loaded config (from any file) describes a model this project can build: one ConfigError
+    naming the field, before any tensor is allocated."""
+    for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+    if config.n_embd % config.n_head:
+        raise ConfigError(f"{where}: n_embd ({config.n_embd}) is not divisible by n_head ({config.n_head})")
+    inner = config.n_inner
+    if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner <= 0):
+        raise ConfigError(f"{where}: n_inner must be null or a positive integer, got {inner!r}")
+    eps = config.layer_norm_epsilon
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        raise ConfigError(f"{where}: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
+    if not isinstance(config.activation_function, str):
+        raise ConfigError(f"{where}: activation_function must be a name, got {config.activation_function!r}")
+    groups = kv_heads(config)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0 or config.n_head % groups:
+        raise ConfigError(f"{where}: {groups!r} KV heads do not divide n_head {config.n_head}")
+
+
+def hf_shapes(config: GPTBigCodeConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the HF model (HF names; lm_head only when untied)."""
+    h, d, g = config.n_embd, config.n_embd // config.n_head, kv_heads(config)
+    inner = config.n_inner or 4 * h
+    shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.wpe.weight": (config.n_positions, h)}
+    for i in range(config.n_layer):
+        p = f"transformer.h.{i}."
+        shapes.update({
+            p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
+            p + "attn.c_attn.weight": (h + 2 * g * d, h), p + "attn.c_attn.bias": (h + 2 * g * d,),
+            p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
+            p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
+            p + "mlp.c_fc.weight": (inner, h), p + "mlp.c_fc.bias": (inner,),
+            p + "mlp.c_proj.weight": (h, inner), p + "mlp.c_proj.bias": (h,),
+        })
+    shapes.update({"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)})
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+

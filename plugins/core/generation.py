@@ -7,12 +7,14 @@ and are timed the same way. Buffers for tokens and mask are allocated once, befo
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
 import torch
 
 from .backend import GenerationResult, position_ids
+from .config import ConfigError
 
 
 class Decoder(Protocol):
@@ -28,17 +30,25 @@ class Decoder(Protocol):
         """Bytes held by the KV cache tensors."""
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 class Sampler:
     """Greedy, or temperature / top-k / top-p sampling from a seeded generator."""
 
     def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0):
-        if do_sample and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if not isinstance(do_sample, bool):
+            raise ConfigError(f"do_sample must be True or False, got {do_sample!r}")
+        if not _number(temperature) or (do_sample and not temperature > 0):
+            raise ConfigError(f"temperature must be a finite number > 0 when sampling, got {temperature!r}")
+        if not _number(top_p) or not 0.0 < top_p <= 1.0:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0, got {top_k!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
         self.generator = torch.Generator().manual_seed(seed)
 

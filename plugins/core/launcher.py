@@ -8,20 +8,26 @@ file. Every rank joins a gloo group; rank 0 connects back to the parent. Each ca
 parent -> rank 0 -> all ranks (`broadcast_object_list`); every rank runs it on its shard, and
 rank 0 sends back its result or the traceback of any rank that failed. Every wait has a
 deadline and checks that the workers are still alive, so a dead or stuck rank is an error in
-the parent (with the tail of the workers' log), never a hang.
+the parent (with the tail of the workers' log), never a hang. Calls from several threads are
+served one at a time. The workers never outlive us: torchrun gets SIGTERM when our process dies
+and each rank SIGKILL when torchrun dies (Linux parent-death signals); stopping them kills the
+whole process group, stopped processes included.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -34,6 +40,7 @@ import torch
 
 from .backend import backend_class, check_inputs
 from .config import REPO_ROOT
+PR_SET_PDEATHSIG = 1
 ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
 TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
 
@@ -70,6 +77,7 @@ class RemoteBackend:
     def __init__(self, name: str, path, dtype="float32", tp_size: int = 2, method: str = "from_hf",
                  launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, **options):
         command = launch_command(launcher, tp_size)
+        self._lock = threading.Lock()  # one call at a time: answers come back in order on one socket
         self.tp_size = tp_size
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="plugins-launcher-"))  # 0700: only we can connect
@@ -84,8 +92,8 @@ class RemoteBackend:
                       **(env or {})}
         with open(self.log_path, "wb") as log:
             # Own session: close() can end torchrun and its ranks as one process group.
-            self._proc = subprocess.Popen(command, env=worker_env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True, preexec_fn=partial(die_with_parent, signal.SIGTERM))
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
         self._conn: Connection | None = None
         try:
@@ -127,6 +135,10 @@ class RemoteBackend:
 
     def call(self, method: str, *args, **kwargs):
         """Run `method(*args, **kwargs)` on every rank; return rank 0's result."""
+        with self._lock:
+            return self._call(method, *args, **kwargs)
+
+    def _call(self, method: str, *args, **kwargs):
         if self._conn is None:
             raise WorkerError("workers are closed")
         _send(self._conn, (method, args, kwargs))
@@ -140,7 +152,7 @@ class RemoteBackend:
                 self._proc.wait(timeout=10)  # let torchrun report why rank 0 went away
             except subprocess.TimeoutExpired:
                 pass
-            self._fail(f"lost rank 0 while running {method} (workers exit code {self._proc.poll()})")
+            self._fail(f"lost {self._failed_rank()} while running {method} (workers exit code {self._proc.poll()})")
         if status == "error":
             raise WorkerError(f"{method} failed in the workers:\n{value}")
         return value
@@ -158,6 +170,15 @@ class RemoteBackend:
         check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
         return self.call("generate", input_ids, attention_mask, max_new_tokens, **kwargs)
 
+    def _failed_rank(self) -> str:
+        """The rank torchrun names as the root cause ("Root Cause ... rank : N" in its error summary), if any."""
+        try:
+            log = self.log_path.read_text(errors="replace")
+        except OSError:
+            log = ""
+        found = re.findall(r"^\s*rank\s*:\s*(\d+)", log.rpartition("Root Cause")[2], re.MULTILINE)
+        return f"rank {found[0]}" if found else "the workers"
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return "--- workers log (tail) ---\n" + self.log_path.read_text(errors="replace")[-chars:]
@@ -165,13 +186,14 @@ class RemoteBackend:
             return ""
 
     def close(self) -> None:
-        if self._conn is not None and self._proc.poll() is None:
-            try:
-                _send(self._conn, ("__close__", (), {}))
-                self._proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self._kill()
+        with self._lock:
+            if self._conn is not None and self._proc.poll() is None:
+                try:
+                    _send(self._conn, ("__close__", (), {}))
+                    self._proc.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            self._kill()
 
     def __enter__(self):
         return self
@@ -194,16 +216,31 @@ def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def die_with_parent(sig: int) -> None:
+    """Linux: have the kernel send `sig` to this process when its parent dies (no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:
     """End the worker process group we started (torchrun and its ranks), then remove our temp dir."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            break
+    if proc.poll() is None:
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait_s)
+            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped rank handles SIGTERM only once continued
+            proc.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+    try:  # whatever is left of the group, torchrun gone or not (a rank it failed to stop, a stopped one)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
     shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
@@ -223,6 +260,7 @@ def _build(name, method, path, dtype, tp_size, options):
 def worker_main() -> None:
     import torch.distributed as dist
 
+    die_with_parent(signal.SIGKILL)  # torchrun gone: nothing coordinates this rank any more
     timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))

@@ -52,7 +52,8 @@ class DeepSpeedBackend(HFBackend):
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None,
                 max_out_tokens: int | None = None, launcher: str = "torchrun", kv_layout: str = "head",
                 quantize: str | None = None, quantize_lm_head: bool = False, compile: bool = False,
-                speculative: dict | None = None):
+                speculative: dict | None = None, timeout_s: float = 600.0, env: dict | None = None):
+        """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.core.launcher)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
         config = read_hf_config(hf_dir)
@@ -63,8 +64,11 @@ class DeepSpeedBackend(HFBackend):
         if tp_size > 1 and not (dist.is_initialized() and dist.get_world_size() == tp_size):  # not in a rank
             from plugins.core.launcher import RemoteBackend
 
+            from injection.compat import sweep_shm_segments
+
+            sweep_shm_segments()  # what ranks killed before they could unlink their segments left in RAM
             return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=tp_size, launcher=launcher,
-                                 max_out_tokens=max_out_tokens, kv_layout=kv_layout)
+                                 timeout_s=timeout_s, env=env, max_out_tokens=max_out_tokens, kv_layout=kv_layout)
         if tp_size > 1 and device == "cpu" and "LOCAL_SIZE" not in os.environ:
             raise ConfigError("DeepSpeed TP on CPU needs LOCAL_SIZE (ranks on this machine): launch with "
                               f"`LOCAL_SIZE={tp_size} torchrun --nproc_per_node {tp_size} ...` or "

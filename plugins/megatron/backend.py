@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from plugins.core.backend import GenerationResult, LocalBackend, position_ids, resolve_dtype
-from plugins.core.checkpoint import read_hf_config, read_hf_state
+from plugins.core.checkpoint import check_memory, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError
 from plugins.core.generation import Sampler, generate
 
@@ -57,7 +57,8 @@ class MegatronGPT(LocalBackend):
         if tp_size > _world_size():
             return _remote("from_hf", hf_dir, dtype, tp_size, attention=attention, **options)
         _no_options(options)
-        return cls.from_state(config, read_hf_state(hf_dir), dtype, tp_size, attention)
+        check_memory(config, dtype, str(hf_dir))
+        return cls.from_state(config, read_hf_state(hf_dir, config), dtype, tp_size, attention)
 
     @classmethod
     def from_state(cls, config, hf_state: dict, dtype=torch.float32, tp_size: int = 1, attention: str = "sdpa"):

@@ -32,27 +32,23 @@ inline const bf16* vector_ptr(const c10::optional<torch::Tensor>& t, int64_t N, 
   return t->data_ptr<bf16>();
 }
 
-// out[:, n] = epilogue(dots(n)) for every output row n; threads take contiguous runs of n, up to
-// ROWS weight rows per call: row_dots(n, rows, dot) fills dot[j * M + m] for weight row n + j.
-template <int ROWS, typename RowDots>
+// out[:, n] = epilogue(dots(n)) for every output row n; threads take contiguous runs of n.
+template <typename RowDots>
 torch::Tensor for_each_output(const torch::Tensor& x, int64_t N, const bf16* scales, const bf16* bias, bool gelu,
                               const RowDots& row_dots) {
   const int64_t M = x.size(0);
   auto out = torch::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> dot(M * ROWS);
-    for (int64_t n = begin; n < end; n += ROWS) {
-      const int64_t rows = std::min<int64_t>(ROWS, end - n);
-      row_dots(n, rows, dot.data());
-      for (int64_t j = 0; j < rows; ++j) {
-        for (int64_t m = 0; m < M; ++m) {
-          float v = dot[j * M + m];
-          if (scales) v *= static_cast<float>(scales[n + j]);
-          if (bias) v += static_cast<float>(bias[n + j]);
-          if (gelu) v = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-          op[m * N + n + j] = bf16(v);
-        }
+    std::vector<float> dot(M);
+    for (int64_t n = begin; n < end; ++n) {
+      row_dots(n, dot.data());
+      for (int64_t m = 0; m < M; ++m) {
+        float v = dot[m];
+        if (scales) v *= static_cast<float>(scales[n]);
+        if (bias) v += static_cast<float>(bias[n]);
+        if (gelu) v = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        op[m * N + n] = bf16(v);
       }
     }
   });

@@ -116,16 +116,14 @@ FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
   return f;
 }
 
-inline __m256i load_int8x16(const int8_t* p, int64_t remaining) {
-  __m128i raw;
-  if (remaining >= 16) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
-    alignas(16) int8_t tmp[16] = {0};
-    for (int64_t i = 0; i < remaining; ++i) tmp[i] = p[i];
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-  }
-  return _mm256_cvtepi8_epi16(raw);
+inline __m256i load_int8x16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load_int8_tail(const int8_t* p, int64_t remaining) {
+  alignas(16) int8_t tmp[16] = {0};
+  for (int64_t i = 0; i < remaining; ++i) tmp[i] = p[i];
+  return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
 }
 
 // Each vpmaddwd lane sum is at most 2 * 127 * 32000 < 2^23: 256 of them fit an int32 lane.
@@ -146,21 +144,29 @@ template <int MT>
 void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, float* dot) {
   __m256i acc32[MT], acc64[MT];
   for (int m = 0; m < MT; ++m) acc32[m] = acc64[m] = _mm256_setzero_si256();
-  int64_t chunks = 0;
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m256i wv = load_int8x16(w + k, K - k);
+  auto step = [&](const __m256i& wv, int64_t k) {
     for (int m = 0; m < MT; ++m) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.q.data() + (m0 + m) * f.K16 + k));
       acc32[m] = _mm256_add_epi32(acc32[m], _mm256_madd_epi16(wv, xq));
     }
-    if (++chunks == FLUSH_CHUNKS) {
-      for (int m = 0; m < MT; ++m) {
-        acc64[m] = add_to_int64(acc64[m], acc32[m]);
-        acc32[m] = _mm256_setzero_si256();
-      }
+  };
+  auto flush = [&]() {
+    for (int m = 0; m < MT; ++m) {
+      acc64[m] = add_to_int64(acc64[m], acc32[m]);
+      acc32[m] = _mm256_setzero_si256();
+    }
+  };
+  int64_t k = 0, chunks = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+    step(load_int8x16(w + k), k);
+    step(load_int8x16(w + k + 16), k + 16);
+    if ((chunks += 2) == FLUSH_CHUNKS) {
+      flush();
       chunks = 0;
     }
   }
+  for (; k < K; k += 16) step(K - k >= 16 ? load_int8x16(w + k) : load_int8_tail(w + k, K - k), k);
   for (int m = 0; m < MT; ++m) {
     const int64_t sum = hsum_int64(add_to_int64(acc64[m], acc32[m]));
     dot[m] = (float)((double)sum * f.scale[m0 + m]);

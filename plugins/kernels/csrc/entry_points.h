@@ -19,8 +19,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   const int64_t M = x.size(0), K = x.size(1);
   const decode::bf16* xp = x.data_ptr<decode::bf16>();
   const decode::bf16* wp = weight.data_ptr<decode::bf16>();
-  return decode::for_each_output<1>(x, weight.size(0), nullptr, decode::vector_ptr(bias, weight.size(0), "bias"),
-                                    gelu, [&](int64_t n, int64_t, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); });
+  return decode::for_each_output(x, weight.size(0), nullptr, decode::vector_ptr(bias, weight.size(0), "bias"), gelu,
+                                 [&](int64_t n, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); });
 }
 
 // x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
@@ -30,8 +30,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<decode::bf16>(), M, K);  // once, read by every weight row
   const int8_t* wp = weight.data_ptr<int8_t>();
-  return decode::for_each_output<1>(x, N, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"),
-                                    gelu, [&](int64_t n, int64_t, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
+  return decode::for_each_output(x, N, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"),
+                                 gelu, [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
