@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -94,6 +96,38 @@ def cpu_op_fallbacks():
         BaseOp.inference_module = saved
 
 
+# 3b. deepspeed/ops/transformer/inference/op_binding/workspace.py: WorkspaceOp.__init__
+#    prints "Using fallback functions in workspace because of ..." (print(), not a warning) for each
+#    layer built without kernels, i.e. every layer on CPU; the fallbacks it then picks are the ones
+#    we want. While our layer is built, that one line is dropped; anything else printed passes.
+@contextmanager
+def quiet_workspace_fallback():
+    if not on_cpu():
+        yield
+        return
+    real = sys.stdout
+    sys.stdout = _DropLines(real, "Using fallback functions in workspace")
+    try:
+        yield
+    finally:
+        sys.stdout = real
+
+
+class _DropLines:
+    """A stream that drops what print() writes for lines starting with `prefix` (the text, then its "\n")."""
+
+    def __init__(self, stream, prefix: str):
+        self.stream, self.prefix, self.dropping = stream, prefix, False
+
+    def write(self, text: str) -> int:
+        drop = text.startswith(self.prefix) or (self.dropping and text == "\n")
+        self.dropping = text.startswith(self.prefix)
+        return len(text) if drop else self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 # 4. deepspeed/module_inject/fusedqkv_utils.py: prepare_tp_fused_qkvw, 'bigcodetype'
 #    FUSED_QKV_TYPE_DICT sends every GPTBigCodeBlock to _bigcode_type_transpose, which assumes the
 #    MQA layout [Q (n_embd) | K | V] and replicates "kv"; an MHA c_attn (per head [q, k, v]) is then
@@ -163,5 +197,14 @@ def sweep_shm_segments(min_age_s: float = 60.0) -> list[str]:
 
 
 def patch_comm() -> None:
-    """Patch 5 alone (AutoTP needs it without our injection policy); idempotent."""
+    """Patch 5 alone (AutoTP needs it without our injection policy); idempotent. It acts on the
+    backend DeepSpeed creates next, so it must run before `deepspeed.init_distributed()`."""
     TorchBackend.__init__ = _torch_backend_init
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    if (isinstance(backend, TorchBackend) and backend.shm_comm_op is not None and backend.is_initialized()
+            and os.path.exists(os.path.join("/dev/shm", shm_segment(backend.get_rank())))):
+        warnings.warn("injection.register() / init_autotp() ran after deepspeed.init_distributed(): DeepSpeed's "
+                      f"shared-memory all-reduce segment /dev/shm/{shm_segment(backend.get_rank())} will not be "
+                      "unlinked when this run ends; call injection.register() first", stacklevel=3)

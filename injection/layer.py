@@ -131,7 +131,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
 
     def __init__(self, config, mp_group=None, layer_idx: int = 0, kv_heads: int = 1, max_positions: int = 2048,
                  scale: float = 1.0):
-        with compat.cpu_op_fallbacks():
+        with compat.cpu_op_fallbacks(), compat.quiet_workspace_fallback():
             super().__init__(config, mp_group)
             attn, mlp = self.attention, self.mlp
             attn.qkv_func = GPTBigCodeQKVGemmOp(config)

@@ -160,3 +160,14 @@ def test_sigkill_mid_write_leaves_the_old_dst_and_the_next_run_sweeps(ckpt_facto
     assert (dst / "config.json").read_text() == old  # the old complete output, untouched
     convert(ckpt_factory("tiny"), dst, "hf", "hf", force=True)
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_outputs_follow_the_umask(ckpt_factory, tmp_path):
+    old = os.umask(0o022)
+    try:
+        convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy", tp_size=2)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "l").stat().st_mode & 0o777 == 0o755
+    for path in (tmp_path / "l").rglob("*"):
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path

@@ -35,6 +35,10 @@ BASE = {"models": ["tiny"], "backends": ["hf"], "batch_sizes": [1], "prompt_leng
     ({"project": ["tpu-v4"]}, "unknown hardware"),
     ({"project": "h100-80gb", "project_models": [3]}, "project_models must be a name"),
     ({"new_tokens": [3, 7]}, "new_tokens must be one integer"),
+    ({"models": ["tiny-mha"], "backends": ["hf", {"name": "deepspeed", "tp_size": 2, "options": {"kv_layout": "batch"}}]},
+     "model tiny-mha, backend deepspeed tp2: kv_layout='batch' is for multi-query attention"),
+    ({"backends": ["hf", {"name": "deepspeed", "options": {"quantize": "int4"}}]}, "quantize must be"),
+    ({"backends": ["hf", {"name": "hf", "label": "hf2", "options": {"colour": 1}}]}, "unknown option.* colour"),
     ({"models": [{"config": "tiny", "label": "../../victim"}]}, "model label '../../victim' is not a plain name"),
     ({"models": [{"config": "tiny", "label": ".."}]}, "not a plain name"),
     ({"backends": ["hf", {"name": "megatron", "label": "a/b"}]}, "backend label 'a/b' is not a plain name"),
@@ -53,8 +57,10 @@ def test_shipped_bench_configs_parse():
     assert any(b.tp_size == 2 for b in default.backends)
     sc = load_bench_config("santacoder-1b")
     assert {m.config for m in sc.models} == {"santacoder-1b", "santacoder-1b-mha"} and sc.dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="unknown bench config"):
+    with pytest.raises(ConfigError, match="unknown bench config 'nope'; known: "):
         load_bench_config("nope")
+    with pytest.raises(ConfigError, match="bench config file 'my.yaml' not found"):
+        load_bench_config("my.yaml")
     assert parse_bench_config({**BASE, "project": "h200"}).project == ("h200",)
 
 
@@ -77,12 +83,14 @@ def test_a_run_where_every_row_fails_exits_nonzero(tmp_path, monkeypatch):
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
     machine = {"mem_bw": 1e10, "peak_flops": 1e11, "mem_bytes": 1e10, "link_bw": 1e10, "gemv_bw": 1e10,
                "gemm_dtype": "float32"}
-    monkeypatch.setattr(compare.probes, "measure_machine", lambda dtype: machine)
+    from plugins.bench import grid, probes
+
+    monkeypatch.setattr(probes, "measure_machine", lambda dtype: machine)
     failed = [{"model": "tiny", "attention": "MQA", "backend": "hf", "backend_name": "hf", "tp_size": 1, "batch": 1,
                "prompt_len": 8, "options": {}, "dtype": "float32", "new_tokens": 4, "error": "load failed: boom"}]
-    monkeypatch.setattr(compare.grid, "run_grid", lambda *a, **k: (failed, []))
+    monkeypatch.setattr(grid, "run_grid", lambda *a, **k: (failed, []))
     assert compare.main([str(tmp_path / "b.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
-    monkeypatch.setattr(compare.grid, "run_grid", lambda *a, **k: ([], []))
+    monkeypatch.setattr(grid, "run_grid", lambda *a, **k: ([], []))
     assert compare.main([str(tmp_path / "b.yaml"), "--out", str(tmp_path / "out2"), "--no-progress"]) == 0
 
 

@@ -131,6 +131,19 @@ def test_upstream_ops_have_no_cpu_kernels_and_fallbacks_are_scoped():
     assert BaseOp.inference_module is before  # restored: other models see upstream behaviour
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only patch")
+def test_upstream_workspace_prints_a_line_per_layer_and_ours_is_quiet(ckpt_factory, capsys):
+    """WorkspaceOp.__init__ print()s its fallback notice (compat 3b drops it while our layer is built)."""
+    from deepspeed.ops.transformer.inference.op_binding.workspace import WorkspaceOp
+
+    assert 'print(f"Using fallback functions in workspace because of {e}")' in inspect.getsource(WorkspaceOp.__init__)
+    with compat.cpu_op_fallbacks():
+        WorkspaceOp(DeepSpeedInferenceConfig(hidden_size=64, heads=4, dtype=torch.float32))
+    assert "Using fallback functions in workspace" in capsys.readouterr().out
+    hf_and_injected(ckpt_factory("tiny"))
+    assert "Using fallback functions in workspace" not in capsys.readouterr().out
+
+
 def test_upstream_mlp_fallback_uses_erf_gelu_ours_tanh():
     config = DeepSpeedInferenceConfig(hidden_size=8, heads=2, dtype=torch.float32)
     with compat.cpu_op_fallbacks():

@@ -20,7 +20,7 @@ from plugins.hf import HFBackend
 from plugins.megatron import MegatronGPT, compat
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from plugins.megatron.attention import SDPAttention
-from plugins.megatron.model import build_model, check_config, transformer_config
+from plugins.megatron.model import build_model, check_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5

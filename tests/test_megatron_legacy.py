@@ -3,10 +3,8 @@ NVIDIA Megatron-LM's loader reads, MQA at TP > 1 in NVIDIA's layout, iterations,
 files that cannot run code."""
 
 import os
-import pickle
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from safetensors.torch import load_file
 from converters import convert, megatron_legacy
 from converters.mapping import ConversionError
 from plugins.core.config import kv_heads
-from plugins.hf import HFBackend
 
 # Every args field a loader of these files reads from the checkpoint (researched in NVIDIA
 # Megatron-LM core_v0.16.1 and HF transformers' megatron_gpt2 converter):

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from plugins.core.backend import BACKENDS, resolve_dtype
+from plugins.core.backend import BACKENDS, backend_class, resolve_dtype
 from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, read_yaml
 
 from . import roofline
@@ -183,6 +183,14 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
                               f"exceeds n_positions {config.n_positions}")
         for b in cfg.backends:
             check_tp(config, b.tp_size)
+            try:
+                cls = backend_class(b.name)
+            except Exception:  # a backend whose library does not import: the run records it as skipped
+                continue
+            try:
+                cls.check_options(config, b.tp_size, **b.options)
+            except ConfigError as e:
+                raise ConfigError(f"model {m.label}, backend {b.label}: {e}") from None
     for hw in cfg.project:
         roofline.read_hardware_spec(hw)
     for m in cfg.project_models:
@@ -192,11 +200,14 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
 
 def load_bench_config(name_or_path: str | Path) -> BenchConfig:
     path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"bench config file {str(path)!r} not found")
+    else:
         path = BENCH_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in BENCH_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown bench config {str(name_or_path)!r}; known: {known}")
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in BENCH_DIR.glob("*.yaml")))
+            raise ConfigError(f"unknown bench config {str(name_or_path)!r}; known: {known}")
     return parse_bench_config(read_yaml(path), name=path.stem)
 
 

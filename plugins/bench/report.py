@@ -97,6 +97,9 @@ def write_markdown(path: Path, result: dict) -> None:
              f"{machine['gemm_dtype']} GEMM peak **{machine['peak_flops'] / GB:.1f} GFLOP/s** "
              "(the roofline's two figures); "
              f"a batch-1 {machine['gemm_dtype']} `F.linear` streams weights at {machine['gemv_bw'] / GB:.1f} GB/s.", ""]
+    note = noise_note(result.get("noise"))
+    if note:
+        lines += [f"**{note[0].upper() + note[1:]}.**", ""]
     probe = env.get("cpu_kernels")
     if probe:
         forced = f" (forced by PLUGINS_KERNELS={probe['forced']})" if probe["forced"] else ""
@@ -170,17 +173,98 @@ def write_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines))
 
 
-def _lines(ax, rows, x, y, group, scale=1.0):
+# --- noise and the console summary ----------------------------------------------------------------
+
+NOISE_SHARE = 0.25  # rows whose read-bandwidth probes differ by more than this are flagged
+
+
+def noise(rows, machine) -> dict:
+    """How much the machine's read bandwidth moved during the run (each row probes it before timing)."""
+    bws = [r["read_bw"] for r in rows if not r.get("error") and r.get("read_bw")] + [machine["mem_bw"]]
+    low, high = min(bws), max(bws)
+    spread = high / low - 1
+    return {"read_bw_min": low, "read_bw_max": high, "spread": spread, "noisy": spread > NOISE_SHARE,
+            "threshold": NOISE_SHARE}
+
+
+def noise_note(n: dict) -> str:
+    if not n or not n["noisy"]:
+        return ""
+    return (f"noisy machine: read bandwidth moved {n['read_bw_min'] / GB:.0f}-{n['read_bw_max'] / GB:.0f} GB/s "
+            f"during the run (more than {n['threshold']:.0%}); compare close rows with care")
+
+
+def summary(result: dict, out: Path) -> list[str]:
+    """A few lines for the console: where the results are, the headline ratios against HF, correctness."""
+    rows = result["rows"]
+    ok = [r for r in rows if not r.get("error")]
+    lines = [f"results: {out / 'results.md'} (tables), results.json, {len(result.get('plots', []))} plots",
+             f"rows: {len(ok)} ok, {len(rows) - len(ok)} failed"
+             + (f"; skipped: {', '.join(s['backend'] for s in result['skipped'])}" if result["skipped"] else "")]
+    for model in dict.fromkeys(r["model"] for r in ok):
+        mine = [r for r in ok if r["model"] == model]
+        prompt = max(r["prompt_len"] for r in mine)
+        batches = sorted({r["batch"] for r in mine})
+        ref = {r["batch"]: r["decode_ms_median"] for r in mine if r["backend"] == "hf" and r["prompt_len"] == prompt}
+        lines.append(f"{model} ({result['config']['dtype']}, prompt {prompt}): decode ms/step at B = "
+                     f"{' / '.join(map(str, batches))}, and speed-up vs hf")
+        for backend in dict.fromkeys(r["backend"] for r in mine):
+            by_b = {r["batch"]: r for r in mine if r["backend"] == backend and r["prompt_len"] == prompt}
+            ms = " / ".join(_fmt(by_b[b]["decode_ms_median"]) if b in by_b else "-" for b in batches)
+            x = " / ".join(f"{ref[b] / by_b[b]['decode_ms_median']:.2f}x" if b in by_b and b in ref else "-"
+                           for b in batches)
+            lines.append(f"  {backend:<28} {ms:>20}   {x}")
+    bad = [r for r in ok if r.get("token_agreement_pct") is not None and r["backend"] != "hf"
+           and result["config"]["dtype"] == "float32" and (r["token_agreement_pct"] < 100 or
+                                                         (r["max_logit_diff"] or 0) > 1e-5)]
+    if result["config"]["dtype"] == "float32":
+        lines.append("correctness: every row matches HF (max |logit diff| <= 1e-5, greedy tokens identical)"
+                     if not bad else f"correctness: {len(bad)} row(s) differ from HF beyond 1e-5 (see results.md)")
+    if result.get("prediction"):
+        p = result["prediction"]
+        lines.append(f"roofline: measured / predicted decode step {p['min']:.1f}-{p['max']:.1f}x "
+                     f"(median {p['median']:.1f}x)")
+    note = noise_note(result.get("noise"))
+    if note:
+        lines.append(note)
+    return lines
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+STYLES = {"MQA": "-", "MHA": "--"}
+
+
+def _colours(rows) -> dict:
+    """One colour per backend, the same in every plot; HF (the reference) black."""
+    names = [b for b in dict.fromkeys(r["backend"] for r in rows) if b != "hf"]
+    cmap = plt.get_cmap("tab10")
+    return {"hf": "black", **{b: cmap(i % 10) for i, b in enumerate(names)}}
+
+
+def _series(ax, rows, x, y, colours, label_model=False, scale=1.0, band=None):
+    """One line per (backend, attention): colour = backend, line style = attention; `band`: the key of
+    an upper value (p90) shaded above the line."""
     groups = {}
     for r in rows:
         if not r.get("error") and r.get(y) is not None:
-            groups.setdefault(group(r), []).append((r[x], r[y] / scale))
-    for label, pts in sorted(groups.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    if groups:
-        ax.legend(fontsize=7)
+            groups.setdefault((r["backend"], r["attention"], r["model"] if label_model else ""), []).append(r)
+    for (backend, attention, model), pts in sorted(groups.items()):
+        pts.sort(key=lambda r: r[x])
+        xs, ys = [p[x] for p in pts], [p[y] / scale for p in pts]
+        ref = backend == "hf"
+        label = f"{backend} {attention}" + (" (reference)" if ref else "") + (f" {model}" if model else "")
+        ax.plot(xs, ys, STYLES.get(attention, "-"), marker="o", color=colours[backend], label=label,
+                linewidth=2.5 if ref else 1.5)
+        if band:
+            ax.fill_between(xs, ys, [p[band] / scale for p in pts], color=colours[backend], alpha=0.12, linewidth=0)
     ax.grid(alpha=0.3)
+
+
+def _legend(ax):
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
 def _batch_axis(ax, rows):
@@ -192,53 +276,81 @@ def _batch_axis(ax, rows):
         ax.set_xticks(sizes, [str(b) for b in sizes])
 
 
-def _figure(models, title):
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    fig.suptitle(title)
-    return fig, axes[0]
-
-
-def write_plots(out_dir: Path, rows, new_tokens: int) -> list[str]:
-    models = list(dict.fromkeys(r["model"] for r in rows)) or ["(none)"]
+def write_plots(out_dir: Path, rows, new_tokens: int, noise_info: dict | None = None) -> list[str]:
+    ok = [r for r in rows if not r.get("error")]
+    colours = _colours(ok)
+    note = noise_note(noise_info)
     written = []
 
-    def save(fig, name):
+    def save(fig, name, title):
+        fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=11)
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
+        fig.savefig(out_dir / name, dpi=100, bbox_inches="tight")
         plt.close(fig)
         written.append(name)
 
-    fig, axes = _figure(models, "Decode ms/step vs batch size")
-    for ax, m in zip(axes, models):
-        _lines(ax, [r for r in rows if r["model"] == m], "batch", "decode_ms_median",
-               lambda r: f"{r['backend']} T={r['prompt_len']}")
-        ax.set(title=m, xlabel="batch size", ylabel="decode ms / step")
-        _batch_axis(ax, rows)
-    save(fig, "decode_vs_batch.png")
+    prompts = sorted({r["prompt_len"] for r in ok}) or [0]
+    fig, axes = plt.subplots(1, len(prompts), figsize=(6.5 * len(prompts), 4.8), squeeze=False)
+    for ax, t in zip(axes[0], prompts):
+        _series(ax, [r for r in ok if r["prompt_len"] == t], "batch", "decode_ms_median", colours,
+                band="decode_ms_p90")
+        ax.set(title=f"prompt {t} tokens", xlabel="batch size", ylabel="decode ms / step (line p50, band to p90)")
+        ax.set_ylim(bottom=0)
+        _batch_axis(ax, ok)
+    _legend(axes[0][-1])
+    save(fig, "decode_vs_batch.png", "Decode step time vs batch (colour = backend, solid = MQA, dashed = MHA)")
 
-    fig, axes = _figure(models, "Per-token latency vs key length")
-    for ax, m in zip(axes, models):
-        sub = [{**r, "key_len": r["prompt_len"] + new_tokens // 2} for r in rows if r["model"] == m]
-        _lines(ax, sub, "key_len", "decode_ms_median", lambda r: f"{r['backend']} B={r['batch']}")
-        ax.set(title=m, xlabel="key length (prompt + new/2)", ylabel="decode ms / step")
-    save(fig, "latency_vs_context.png")
+    batches = sorted({r["batch"] for r in ok}) or [0]
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        sub = [{**r, "key_len": r["prompt_len"] + new_tokens // 2} for r in ok if r["batch"] == b]
+        _series(ax, sub, "key_len", "decode_ms_median", colours)
+        ax.set(title=f"batch {b}", xlabel="key length (prompt + new / 2)", ylabel="decode ms / step")
+        ax.set_ylim(bottom=0)
+    _legend(axes[0][-1])
+    save(fig, "latency_vs_context.png", "Per-token latency vs key length (colour = backend, solid = MQA, dashed = MHA)")
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    fig.suptitle("MQA vs MHA (largest prompt length)")
-    longest = max((r["prompt_len"] for r in rows), default=0)
-    sub = [r for r in rows if r["prompt_len"] == longest]
-    _lines(axes[0], sub, "batch", "decode_ms_median", lambda r: f"{r['backend']} {r['attention']} ({r['model']})")
+    longest = max(prompts)
+    sub = [r for r in ok if r["prompt_len"] == longest]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    _series(axes[0], sub, "batch", "decode_ms_median", colours)
     axes[0].set(xlabel="batch size", ylabel="decode ms / step")
-    _lines(axes[1], sub, "batch", "kv_bytes", lambda r: f"{r['backend']} {r['attention']} ({r['model']})", MB)
+    _series(axes[1], sub, "batch", "kv_bytes", colours, scale=MB)
     axes[1].set(xlabel="batch size", ylabel="KV cache MB (per rank)")
+    pairs = mqa_mha_pairs(sub)
+    for backend in dict.fromkeys(p[0] for p in pairs):
+        pts = sorted((b, h["decode_ms_median"] / q["decode_ms_median"]) for be, b, _, q, h in pairs if be == backend)
+        axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[backend], label=backend,
+                     linewidth=2.5 if backend == "hf" else 1.5)
+    axes[2].axhline(1.0, color="grey", linewidth=0.8)
+    axes[2].set(xlabel="batch size", ylabel="MHA / MQA decode time (> 1: MQA faster)")
     for ax in axes:
-        _batch_axis(ax, rows)
-    save(fig, "mqa_vs_mha.png")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        _batch_axis(ax, sub)
+    _legend(axes[1])
+    _legend(axes[2])
+    save(fig, "mqa_vs_mha.png", f"MQA vs MHA at prompt {longest} tokens (colour = backend, solid = MQA, dashed = MHA)")
 
-    fig, axes = _figure(models, "Peak memory (RSS incl. TP workers; CUDA: max allocated), largest prompt length")
-    for ax, m in zip(axes, models):
-        _lines(ax, [r for r in sub if r["model"] == m], "batch", "peak_mem_bytes", lambda r: r["backend"], MB)
-        ax.set(title=m, xlabel="batch size", ylabel="peak MB")
-        _batch_axis(ax, rows)
-    save(fig, "memory.png")
+    biggest = max(batches)
+    sub = [r for r in ok if r["prompt_len"] == longest and r["batch"] == biggest]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(sub) + 2), 4.8))
+    labels, weights, kv, other = [], [], [], []
+    for r in sub:
+        ranks = r.get("tp_size", 1)
+        w = r["weight_bytes_per_rank"] * ranks / MB
+        k = r["kv_bytes"] * ranks / MB
+        labels.append(f"{r['backend'].replace(' ', chr(10))}\n{r['attention']}")  # "deepspeed-autotp tp2": 2 lines
+        weights.append(w), kv.append(k), other.append(max(0.0, r["peak_mem_bytes"] / MB - w - k))
+    xs = range(len(labels))
+    ax.bar(xs, weights, color="#4c72b0", label="weights (all ranks)")
+    ax.bar(xs, kv, bottom=weights, color="#dd8452", label="KV cache (all ranks, measured)")
+    ax.bar(xs, other, bottom=[a + b for a, b in zip(weights, kv)], color="#bbbbbb",
+           label="everything else (runtime, activations, workers)")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set(ylabel="peak MB (CPU: peak RSS incl. TP workers)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3, axis="y")
+    _legend(ax)
+    save(fig, "memory.png", f"Peak memory at batch {biggest}, prompt {longest}: what it holds")
     return written

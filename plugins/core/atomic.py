@@ -99,7 +99,19 @@ def sweep_stale_temps(dst: Path) -> list[Path]:
     return swept
 
 
+def _apply_umask(root: Path) -> None:
+    """mkdtemp makes its directory 0700 and some writers make 0600 files: give the output the modes a
+    plain mkdir / open would have under the user's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    root.chmod(0o777 & ~mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _publish(tmp: Path, dst: Path, force: bool) -> None:
+    _apply_umask(tmp)
     try:
         try:
             rename2(tmp, dst, RENAME_NOREPLACE)

@@ -66,6 +66,16 @@ class LocalBackend:
         engines that call torch directly report 'torch'."""
         return {"decode": "torch", "prefill": "torch"}
 
+    @classmethod
+    def check_options(cls, config: GPTBigCodeConfig, tp_size: int, **options) -> None:
+        """Refuse, before any work, options this backend does not take or cannot apply to `config` at
+        `tp_size` (bench configs are checked with this before any checkpoint is made)."""
+        known = [p for p in inspect.signature(cls.from_hf).parameters if p not in ("hf_dir", "dtype", "tp_size")]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)} for backend {cls.name!r}; "
+                              f"known: {', '.join(known) or 'none'}")
+
 
 # name -> "module:class"; imported lazily so a missing optional library only affects its backend.
 BACKENDS = {
@@ -85,14 +95,10 @@ def backend_class(name: str):
 
 def load_backend(name: str, hf_dir: str | Path, dtype="float32", tp_size: int = 1, **options) -> Backend:
     """Backend `name` (a key of BACKENDS) on the HF checkpoint `hf_dir`; options are the backend's own."""
+    from .checkpoint import read_hf_config
+
     cls = backend_class(name)
-    params = inspect.signature(cls.from_hf).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        known = [p for p in params if p not in ("cls", "hf_dir", "dtype", "tp_size")]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown option(s) {', '.join(unknown)} for backend {name!r}; "
-                              f"known: {', '.join(known) or 'none'}")
+    cls.check_options(read_hf_config(hf_dir), tp_size, **options)
     return cls.from_hf(hf_dir, dtype=dtype, tp_size=tp_size, **options)
 
 

@@ -66,7 +66,12 @@ class DeepSpeedBackend(HFBackend):
 
             from injection.compat import sweep_shm_segments
 
+            from plugins.core.console import announce, extension_built
+
             sweep_shm_segments()  # what ranks killed before they could unlink their segments left in RAM
+            if device == "cpu" and not extension_built("deepspeed_shm_comm"):
+                announce("first tensor-parallel run on this machine: DeepSpeed compiles its shared-memory "
+                         "all-reduce (~40 s, minutes on a busy machine)...")
             return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=tp_size, launcher=launcher,
                                  timeout_s=timeout_s, env=env, max_out_tokens=max_out_tokens, kv_layout=kv_layout)
         if tp_size > 1 and device == "cpu" and "LOCAL_SIZE" not in os.environ:
@@ -87,6 +92,13 @@ class DeepSpeedBackend(HFBackend):
         if quantize == "int8":
             quantize_model(backend.model, quantize_lm_head)
         return backend
+
+    @classmethod
+    def check_options(cls, config, tp_size: int, **options) -> None:
+        super().check_options(config, tp_size, **options)
+        check_speed_options(config, tp_size, options.get("quantize"), options.get("quantize_lm_head", False),
+                            options.get("compile", False), options.get("speculative"))
+        kv_shard.check_kv_layout(options.get("kv_layout", "head"), config.multi_query, tp_size)
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):

@@ -111,6 +111,10 @@ def build(name: str):
     """Compile (once per machine, cached in $TORCH_EXTENSIONS_DIR) and load kernel `name`; None on failure."""
     from torch.utils.cpp_extension import load
 
+    from plugins.core.console import announce, extension_built
+
+    if not extension_built(f"decode_{name}"):
+        announce(f"building the {name} decode kernel with g++ (once per machine, ~25 s)...")
     flags = KERNEL_ISA[name][1]
     # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
     header = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in ("common.h", "entry_points.h"))).hexdigest()[:16]

@@ -27,6 +27,9 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
+LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s")  # how ranks are started (plugins.core.launcher)
+
+
 def _no_options(options: dict) -> None:
     """Launcher options (launcher, env, timeout_s) only mean something when ranks are started."""
     if options:
@@ -47,6 +50,14 @@ class MegatronGPT(LocalBackend):
         self.dtype = dtype
         self.tp_size = tp_size
         self.device = self._device()
+
+    @classmethod
+    def check_options(cls, config, tp_size: int, **options) -> None:
+        unknown = sorted(set(options) - {"attention", *LAUNCHER_OPTIONS})
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)} for backend 'megatron'; known: attention, "
+                              f"{', '.join(LAUNCHER_OPTIONS)}")
+        check_config(config, tp_size, options.get("attention", "sdpa"))
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, attention: str = "sdpa", **options):
