@@ -66,6 +66,33 @@ class LocalBackend:
         engines that call torch directly report 'torch'."""
         return {"decode": "torch", "prefill": "torch"}
 
+    _batch = None
+
+    def batch_decoder(self, slots: int, capacity: int):
+        """A `plugins.core.batching.BatchDecoder` on a KV pool of `slots` x `capacity` tokens."""
+        raise ConfigError(f"backend {self.name!r} has no continuous batching")
+
+    def open_batch(self, slots: int, capacity: int | None = None) -> dict:
+        """Allocate the KV pool of a continuous batch (`plugins.core.batching`) and return its state;
+        `capacity` (prompt + new tokens per request) defaults to n_positions."""
+        from .batching import ContinuousBatch
+
+        capacity = self.config.n_positions if capacity is None else capacity
+        for name, value in (("slots", slots), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if capacity > self.config.n_positions:
+            raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {self.config.n_positions}")
+        self._batch = None  # the old pool is freed before the new one is allocated
+        self._batch = ContinuousBatch(self.batch_decoder(slots, capacity), slots, capacity, self.device)
+        return self._batch.state()
+
+    def batch_step(self, admit=(), release=()) -> dict:
+        """Admit requests (`BatchRequest`s), drop others (ids), decode one token for every running one."""
+        if self._batch is None:
+            raise ConfigError("call open_batch(slots, capacity) before batch_step")
+        return self._batch.step(list(admit), list(release))
+
     @classmethod
     def check_options(cls, config: GPTBigCodeConfig, tp_size: int, **options) -> None:
         """Refuse, before any work, options this backend does not take or cannot apply to `config` at

@@ -29,7 +29,7 @@ from plugins import kernels
 from plugins.core.backend import ConfigError, GenerationResult, LocalBackend, check_load, resolve_dtype
 from plugins.core.checkpoint import load_hf_model, read_hf_config
 from plugins.core.speculative import speculative_generate
-from plugins.hf import HFBackend, HFDecoder
+from plugins.hf import HFBackend, HFDecoder, PoolDecoder
 from plugins.kernels.quant import Int8Linear
 
 from .decoder import InjectedDecoder
@@ -137,9 +137,26 @@ class DeepSpeedBackend(HFBackend):
             batch = kv_shard.rank_batch(batch, self.tp_size)
         cache = SingleHeadCache(self.config, max_length, batch=batch, dtype=self.dtype, device=self.device,
                                 tp_size=self.tp_size)
+        return self._decoder_on(cache)
+
+    def _decoder_on(self, cache) -> HFDecoder:
         if not self.fast_decode or self.tp_size > 1 or self.kv_layout == "batch":  # the fast step: TP 1 only
             return HFDecoder(self.model, cache)
         return InjectedDecoder(self.model, cache, self.compile)
+
+    def batch_decoder(self, slots: int, capacity: int) -> PoolDecoder:
+        if self.draft is not None:
+            raise ConfigError("continuous batching decodes one token per step: load the backend without "
+                              "`speculative` to serve it")
+        if self.kv_layout == "batch":
+            raise ConfigError("continuous batching needs kv_layout='head' (rows join and leave the pool on "
+                              "every rank)")
+        cache = SingleHeadCache(self.config, capacity, batch=slots, dtype=self.dtype, device=self.device,
+                                tp_size=self.tp_size)
+        step = self._decoder_on(cache)
+        if isinstance(step, InjectedDecoder):
+            step.padded = True  # rows start at different columns: the mask is always needed
+        return PoolDecoder(self, cache, step)
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:

@@ -52,7 +52,7 @@ class InjectedDecoder(HFDecoder):
     def decode(self, tokens, attention_mask, position_ids):
         mask = None
         if self.padded:
-            mask = self.keep[:, :, :, :attention_mask.shape[1]]
+            mask = self.keep[:tokens.shape[0], :, :, :attention_mask.shape[1]]  # a pool decodes its first rows
             mask.copy_(attention_mask[:, None, None, :])
         return self.step(tokens, position_ids, mask)[:, -1]
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, GPTBigCodeForCausalLM
 
+from injection import SingleHeadCache
+
 from plugins.core.backend import GenerationResult, LocalBackend, check_load, position_ids, resolve_dtype, tensor_bytes
 from plugins.core.checkpoint import load_hf_model, read_hf_config
 from plugins.core.generation import Sampler, generate
@@ -44,6 +46,35 @@ class HFDecoder:
         return tensor_bytes(t for layer in layers for t in (layer.keys, layer.values) if t is not None)
 
 
+class PoolDecoder:
+    """A `plugins.core.batching.BatchDecoder` on a `SingleHeadCache` of `slots` rows ([rows, kv heads,
+    columns, head dim] per layer): before each step the cache layers are pointed at the active rows
+    [0, n) and the shared length t (views, no copies); `step` is the backend's decoder on that cache.
+    Prompts are prefilled by the backend's own batch-1 decoder."""
+
+    batch_dim, time_dim = 0, 2
+
+    def __init__(self, backend, cache, step):
+        self.backend, self.cache, self.step = backend, cache, step
+        self.full = [(layer.keys, layer.values) for layer in cache.layers]
+
+    def pool_tensors(self):
+        return [t for kv in self.full for t in kv]
+
+    def prefill_alone(self, input_ids):
+        p = input_ids.shape[1]
+        scratch = self.backend.decoder(1, p)
+        mask = torch.ones_like(input_ids)
+        logits = scratch.prefill(input_ids, mask, position_ids(mask))
+        return logits, [t[:, :, :p] for layer in scratch.cache.layers for t in (layer.keys, layer.values)]
+
+    def decode(self, tokens, attention_mask, position_ids):
+        n, t = tokens.shape[0], attention_mask.shape[1] - 1
+        for layer, (keys, values) in zip(self.cache.layers, self.full):
+            layer.keys, layer.values, layer.length = keys[:n], values[:n], t
+        return self.step.decode(tokens, attention_mask, position_ids)
+
+
 class HFBackend(LocalBackend):
     name = "hf"
 
@@ -72,6 +103,10 @@ class HFBackend(LocalBackend):
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
         """A decoder for `batch` sequences of up to `max_length` cached tokens (HF's cache grows as needed)."""
         return HFDecoder(self.model)
+
+    def batch_decoder(self, slots: int, capacity: int) -> PoolDecoder:
+        cache = SingleHeadCache(self.config, capacity, batch=slots, dtype=self.dtype, device=self.device)
+        return PoolDecoder(self, cache, HFDecoder(self.model, cache))
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:

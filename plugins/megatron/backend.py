@@ -19,7 +19,7 @@ from plugins.core.checkpoint import check_memory, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError
 from plugins.core.generation import Sampler, generate
 
-from .decoder import MegatronDecoder, causal_padding_mask
+from .decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
 from .model import build_model, check_config, init_parallel, load_rank_state
 
 
@@ -132,6 +132,9 @@ class MegatronGPT(LocalBackend):
 
     def decoder(self, batch_size: int, max_len: int) -> MegatronDecoder:
         return MegatronDecoder(self.model, batch_size, max_len, self.config.vocab_size)
+
+    def batch_decoder(self, slots: int, capacity: int) -> MegatronPoolDecoder:
+        return MegatronPoolDecoder(self, slots, capacity)
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:

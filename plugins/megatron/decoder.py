@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.core.backend import tensor_bytes
+from plugins.core.backend import position_ids, tensor_bytes
+from plugins.core.config import head_dim, kv_heads_per_rank
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -51,3 +52,36 @@ class MegatronDecoder:
 
     def kv_cache_bytes(self) -> int:
         return tensor_bytes(t for kv in self.ctx.key_value_memory_dict.values() for t in kv)
+
+
+class MegatronPoolDecoder:
+    """A `plugins.core.batching.BatchDecoder` on one `StaticInferenceContext` of `slots` rows: megatron
+    writes and reads rows [batch_size_offset, + batch) of its [seq, batch, groups, dim] buffers, so the
+    active rows [0, n) decode as a batch of n; the pool is allocated here, before any forward."""
+
+    batch_dim, time_dim = 1, 0
+
+    def __init__(self, backend, slots: int, capacity: int):
+        self.backend = backend
+        self.step = MegatronDecoder(backend.model, slots, capacity, backend.config.vocab_size)
+        ctx, config = self.step.ctx, backend.config
+        shape = (capacity, slots, kv_heads_per_rank(config, backend.tp_size), head_dim(config))
+        for layer in range(1, config.n_layer + 1):  # megatron numbers layers from 1
+            ctx.key_value_memory_dict[layer] = tuple(torch.zeros(shape, dtype=backend.dtype, device=backend.device)
+                                                     for _ in range(2))
+        ctx.enable_decode_mode()
+
+    def pool_tensors(self):
+        return [t for layer in sorted(self.step.ctx.key_value_memory_dict) for t in self.step.ctx.key_value_memory_dict[layer]]
+
+    def prefill_alone(self, input_ids):
+        p = input_ids.shape[1]
+        scratch = self.backend.decoder(1, p)
+        mask = torch.ones_like(input_ids)
+        logits = scratch.prefill(input_ids, mask, position_ids(mask))
+        kv = scratch.ctx.key_value_memory_dict
+        return logits, [t[:p] for layer in sorted(kv) for t in kv[layer]]
+
+    def decode(self, tokens, attention_mask, position_ids):
+        self.step.ctx.sequence_len_offset = attention_mask.shape[1] - 1
+        return self.step.decode(tokens, attention_mask, position_ids)

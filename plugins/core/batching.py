@@ -1,0 +1,219 @@
+"""Continuous batching on a preallocated KV pool: requests join and leave a running batch at any step.
+
+The pool is `slots` rows x `capacity` columns per layer, allocated once. Active requests occupy
+rows [0, n); all of them share one time axis: every decode step writes each row's new token at
+column `t`, and a row's tokens sit in columns [start, t) (left padding, masked). So each engine
+decodes the batch exactly as it decodes a static left-padded batch: a dense [n, .., t + 1, ..]
+cache and a [n, t + 1] mask, no per-row lengths, no gathers.
+
+- Admission: the prompt is prefilled alone (batch 1, its own scratch cache: the numerics of
+  `generate` on that request alone), its first token sampled, and its KV copied into row n at
+  columns [t - P, t). A prompt longer than `t` shifts the running rows right first.
+- Release: the last active row moves into the freed row, so rows stay packed.
+- Compaction: when column `capacity` is reached (or half of every row is padding) all rows shift
+  left by their common padding. Every request fits (prompt + max_new_tokens <= capacity), so the
+  common padding is never zero when it is needed.
+
+Slots rather than blocks: every engine here attends over a dense cache tensor (SDPA, megatron's
+static context); blocks would need a gather of the whole cache each step or a paged CPU kernel.
+With MQA a slot of 2048 tokens of SantaCoder-1B is 25 MB, so dense slots cost little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .config import ConfigError
+from .generation import Sampler
+
+
+class BatchDecoder(Protocol):
+    """An engine's decode step on a KV pool. Pool tensors have the batch row on `batch_dim` and the
+    token column on `time_dim`."""
+
+    batch_dim: int
+    time_dim: int
+
+    def prefill_alone(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One unpadded prompt [1, P] -> (logits of its last position [1, V], its K and V per layer: P
+        columns, in the order and layout of `pool_tensors`)."""
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every K and V buffer of the pool (allocated by the first `prefill_alone` at the latest)."""
+
+    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Rows [0, n) of the pool: tokens [n, 1] written at column t = mask width - 1; logits [n, V]."""
+
+
+@dataclass
+class BatchRequest:
+    """What a slot needs to generate for one request; `id` is the caller's."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | None = None  # stop at this token (it is returned)
+
+
+@dataclass
+class _Row:
+    request: BatchRequest
+    sampler: Sampler
+    generated: int = 0
+
+
+class ContinuousBatch:
+    def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu"):
+        if slots < 1 or capacity < 2:
+            raise ConfigError(f"a KV pool needs >= 1 slot and >= 2 columns, got {slots} x {capacity}")
+        self.decoder, self.slots, self.capacity = decoder, slots, capacity
+        self.mask = torch.zeros((slots, capacity), dtype=torch.long, device=device)
+        self.last = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((slots, 1), dtype=torch.long, device=device)
+        self.rows: list[_Row] = []
+        self.t = 0  # columns in use
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def check(self, request: BatchRequest) -> None:
+        if not request.prompt:
+            raise ConfigError("a request needs at least one prompt token")
+        if request.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if len(request.prompt) + request.max_new_tokens > self.capacity:
+            raise ConfigError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                              f"exceeds the context of {self.capacity} tokens")
+
+    @torch.inference_mode()
+    def step(self, admit: list[BatchRequest] = (), release: list[int] = ()) -> dict:
+        """Drop `release` (ids), prefill and place `admit`, then one decode step for every active row.
+        Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"}}."""
+        for request in admit:
+            self.check(request)
+        if self.n + len(admit) > self.slots:
+            raise ConfigError(f"{self.n + len(admit)} requests for {self.slots} slots")
+        for rid in release:
+            for r, row in enumerate(self.rows):
+                if row.request.id == rid:
+                    self._remove(r)
+                    break
+        out: dict[int, list[int]] = {}
+        finished: dict[int, str] = {}
+        for request in admit:
+            self._admit(request, out, finished)
+        if self.rows:
+            self._decode(out, finished)
+        return {"tokens": out, "finished": finished}
+
+    def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
+        out.setdefault(row.request.id, []).append(token)
+        row.generated += 1
+        if token == row.request.eos_token_id:
+            finished[row.request.id] = "stop"
+        elif row.generated >= row.request.max_new_tokens:
+            finished[row.request.id] = "length"
+        return row.request.id in finished
+
+    def _admit(self, request: BatchRequest, out: dict, finished: dict) -> None:
+        p = len(request.prompt)
+        ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
+        logits, kv = self.decoder.prefill_alone(ids)
+        r = request
+        row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed))
+        token = int(row.sampler(logits)[0])
+        if self._emit(row, token, out, finished):
+            return
+        if p > self.t:
+            self._shift(p - self.t)  # (n == 0: nothing moves, t becomes p)
+        i = self.n
+        for pool, part in zip(self.decoder.pool_tensors(), kv):
+            self._cols(self._row(pool, i), self.t - p, self.t).copy_(part)
+        self.mask[i].zero_()
+        self.mask[i, self.t - p:self.t] = 1
+        self.last[i, 0] = token
+        self.pos[i, 0] = p
+        self.rows.append(row)
+
+    def _decode(self, out: dict, finished: dict) -> None:
+        if self.t == self.capacity:
+            self._compact()
+        n, t = self.n, self.t
+        self.mask[:n, t] = 1
+        logits = self.decoder.decode(self.last[:n], self.mask[:n, :t + 1], self.pos[:n])
+        self.t += 1
+        self.pos[:n] += 1
+        if all(not row.request.do_sample for row in self.rows):
+            tokens = logits.float().argmax(-1).tolist()
+        else:
+            tokens = [int(row.sampler(logits[r:r + 1])[0]) for r, row in enumerate(self.rows)]
+        done = []
+        for r, (row, token) in enumerate(zip(self.rows, tokens)):
+            self.last[r, 0] = token
+            if self._emit(row, token, out, finished):
+                done.append(r)
+        for r in reversed(done):
+            self._remove(r)
+        if self.n and self._padding() * 2 >= self.t:
+            self._compact()
+
+    def _remove(self, r: int) -> None:
+        last = self.n - 1
+        if r != last:
+            for pool in self.decoder.pool_tensors():
+                self._cols(self._row(pool, r), 0, self.t).copy_(self._cols(self._row(pool, last), 0, self.t))
+            for buf in (self.mask, self.last, self.pos):
+                buf[r] = buf[last]
+            self.rows[r] = self.rows[last]
+        self.rows.pop()
+        if not self.rows:
+            self.t = 0
+
+    def _padding(self) -> int:
+        """Columns before the first token of every active row."""
+        n, t = self.n, self.t
+        return int(self.mask[:n, :t].argmax(-1).min()) if n else 0
+
+    def _compact(self) -> None:
+        self._shift(-self._padding())
+
+    def _shift(self, by: int) -> None:
+        """Move the columns of every active row `by` to the right (left when negative)."""
+        n, t = self.n, self.t
+        if by == 0:
+            return
+        if n:
+            lo = max(0, -by)  # columns [lo, t) move to [lo + by, t + by)
+            for pool in self.decoder.pool_tensors() + [self.mask]:
+                rows = pool.narrow(self._batch_dim(pool), 0, n)
+                src = self._cols(rows, lo, t).clone()
+                self._cols(rows, lo + by, t + by).copy_(src)
+            if by > 0:
+                self.mask[:n, :by] = 0
+        self.t = t + by
+
+    def _batch_dim(self, tensor) -> int:
+        return 0 if tensor is self.mask else self.decoder.batch_dim
+
+    def _row(self, tensor, i: int) -> torch.Tensor:
+        return tensor.narrow(self._batch_dim(tensor), i, 1)
+
+    def _cols(self, tensor, start: int, end: int) -> torch.Tensor:
+        dim = 1 if tensor.dim() == 2 else self.decoder.time_dim  # the mask is [rows, columns]
+        return tensor.narrow(dim, start, end - start)
+
+    def kv_pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.decoder.pool_tensors())
+
+    def state(self) -> dict:
+        return {"running": self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
+                "kv_pool_bytes": self.kv_pool_bytes()}

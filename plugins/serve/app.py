@@ -1,0 +1,180 @@
+"""The HTTP server: OpenAI-compatible `/v1/completions` (streaming or not), `/v1/models`, `/health`,
+Prometheus `/metrics`, on FastAPI.
+
+The event loop tokenizes prompts (in a worker thread), queues requests with the scheduler and
+turns the token ids it streams back into text; the decode loop runs in the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from plugins.core.batching import BatchRequest
+
+from .api import (RequestError, completion_body, completion_id, parse_completion, sampling, stop_list, usage)
+from .scheduler import QueueFull, Request, Scheduler, ServerClosing
+from .text import EOS_NAMES, StreamText, encode_prompt, special_id
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class Served:
+    """What the app serves: the scheduler (over an open backend), its tokenizer and the model id."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int):
+        self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
+        self.eos = special_id(tokenizer, EOS_NAMES)
+        self.created = int(time.time())
+
+
+def create_app(served: Served, on_shutdown=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        # uvicorn has stopped accepting and waited for open requests (its graceful timeout)
+        failed = await run_in_threadpool(served.scheduler.close)
+        if on_shutdown is not None:
+            await run_in_threadpool(on_shutdown)
+        print(f"server shut down: backend closed, {failed} unfinished request(s) failed", flush=True)
+
+    app = FastAPI(title="mqa-plugins completions server", lifespan=lifespan)
+    sched = served.scheduler
+
+    @app.exception_handler(RequestError)
+    async def request_error(_, exc: RequestError):
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.get("/health")
+    async def health():
+        state = sched.state()
+        status = 503 if state["error"] else 200
+        return JSONResponse({"status": "ok" if status == 200 else "error", **state}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(sched.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": served.created,
+                                            "owned_by": "mqa-plugins", "max_model_len": sched.capacity}]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        body = bytearray()
+        async for chunk in http.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise RequestError(f"request body over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        req = parse_completion(bytes(body))
+        if req.model != served.model_id:
+            raise RequestError(f"model {req.model!r} does not exist; this server serves {served.model_id!r}",
+                               "model", status=404, code="model_not_found")
+        prompt = await prompt_ids(req)
+        max_tokens = req.max_tokens or 16
+        if len(prompt) + max_tokens > sched.capacity:
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                               f"context of {sched.capacity} tokens", "max_tokens")
+        params = BatchRequest(id=sched.new_id(), prompt=prompt, max_new_tokens=max_tokens,
+                              eos_token_id=served.eos, **sampling(req))
+        entry = Request(params, asyncio.get_running_loop())
+        try:
+            sched.submit(entry)
+        except (QueueFull, ServerClosing) as e:
+            raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
+        text = StreamText(served.tokenizer, stop_list(req), skip_ids={served.eos} - {None})
+        cid, created = completion_id(), int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def done_usage():
+            return usage(len(prompt), len(text.ids))
+
+        if req.stream:
+            async def events():
+                async for piece, reason in pieces(entry, text, http):
+                    if reason == "error":
+                        yield sse(RequestError(piece, status=500, kind="server_error").body())
+                        return
+                    yield sse(completion_body(cid, served.model_id, piece, reason, None, created))
+                if include_usage:
+                    body = completion_body(cid, served.model_id, "", None, done_usage(), created)
+                    body["choices"] = []
+                    yield sse(body)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        parts, finish = [], None
+        async for piece, reason in pieces(entry, text, http, poll_disconnect=True):
+            if reason == "error":
+                raise RequestError(piece, status=500, kind="server_error")
+            parts.append(piece)
+            finish = reason or finish
+        return completion_body(cid, served.model_id, "".join(parts), finish, done_usage(), created)
+
+    async def prompt_ids(req) -> list[int]:
+        if isinstance(req.prompt, list):  # token ids
+            if req.suffix is not None:
+                raise RequestError("`suffix` needs a text prompt, not token ids", "suffix")
+            bad = [i for i in req.prompt if not 0 <= i < served.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{served.vocab_size - 1})",
+                                   "prompt")
+            return list(req.prompt)
+        try:
+            ids = await run_in_threadpool(encode_prompt, served.tokenizer, req.prompt, req.suffix)
+        except ValueError as e:
+            raise RequestError(str(e), "suffix") from None
+        if not ids:
+            raise RequestError("`prompt` encodes to no tokens", "prompt")
+        return ids
+
+    async def pieces(entry: Request, text: StreamText, http: HTTPRequest, poll_disconnect: bool = False):
+        """(text, None) as text becomes final, then (text, finish_reason); ("message", "error") on failure.
+        Leaving early (client gone, stop string) drops the request from the batch."""
+        finished = False
+        try:
+            while True:
+                if poll_disconnect:
+                    try:
+                        kind, value = await asyncio.wait_for(entry.queue.get(), 0.5)
+                    except asyncio.TimeoutError:
+                        if await http.is_disconnected():
+                            return
+                        continue
+                else:
+                    kind, value = await entry.queue.get()
+                if kind == "tokens":
+                    piece = text.add(value)
+                    if text.stopped:
+                        yield piece, "stop"
+                        return
+                    if piece:
+                        yield piece, None
+                elif kind == "done":
+                    finished = True
+                    yield text.flush(), ("stop" if value == "cancelled" else value)
+                    return
+                else:
+                    finished = True
+                    yield value, "error"
+                    return
+        finally:
+            if not finished:
+                sched.cancel(entry.params.id)
+
+    return app
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

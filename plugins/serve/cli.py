@@ -1,0 +1,120 @@
+"""Serve a checkpoint over HTTP: OpenAI-compatible completions with continuous batching.
+Run as `mqa-serve`, `python -m plugins.serve` or `scripts/serve.py`.
+
+  mqa-serve checkpoints/santacoder-1b --backend deepspeed --dtype bfloat16 --kv-budget 2GB
+  mqa-serve /tmp/tiny --backend megatron --tp 2 --port 8001
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "santacoder-1b", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+
+The KV pool (slots x context, per rank) is allocated once from --kv-budget (at most --max-batch
+slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503). The served model id is the directory's name.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """'512MB', '2GiB', '1.5G' or a plain number of bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
+    """(slots that fit `budget` bytes per rank, bytes per slot)."""
+    import torch
+
+    from plugins.core.config import head_dim, kv_heads_per_rank
+
+    per_token = config.n_layer * 2 * kv_heads_per_rank(config, tp_size) * head_dim(config) * \
+        torch.empty((), dtype=dtype).element_size()
+    per_slot = per_token * capacity
+    return budget // per_slot, per_slot
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
+    ap.add_argument("--backend", default="deepspeed", help="hf, deepspeed, deepspeed-autotp or megatron")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (CPU); float16 on CUDA")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (worker processes)")
+    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"),
+                    help="bytes of KV pool per rank (default 1GB): slots = budget / (bytes per token x context)")
+    ap.add_argument("--max-model-len", type=int, help="context per slot, prompt + max_tokens "
+                                                      "(default the model's n_positions)")
+    ap.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together (slots are "
+                                                                 "min(this, what --kv-budget holds))")
+    ap.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 503s")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--graceful-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish after SIGTERM")
+    return ap, ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap, args = parse_args(argv)
+    from plugins.core.console import announce, quiet_upstream
+
+    quiet_upstream()
+    from plugins.core.backend import backend_class, load_backend, resolve_dtype
+    from plugins.core.checkpoint import read_hf_config
+    from plugins.core.config import ConfigError, check_tp
+
+    try:
+        config = read_hf_config(args.checkpoint_dir)
+        backend_class(args.backend)
+        dtype = resolve_dtype(args.dtype)
+        check_tp(config, args.tp)
+    except (ConfigError, OSError, ValueError) as e:
+        ap.error(str(e))
+    capacity = args.max_model_len or config.n_positions
+    if not 2 <= capacity <= config.n_positions:
+        ap.error(f"--max-model-len must be in 2..{config.n_positions} (the model's n_positions), got {capacity}")
+    if args.max_batch < 1:
+        ap.error(f"--max-batch must be >= 1, got {args.max_batch}")
+    slots, per_slot = pool_slots(config, dtype, args.tp, capacity, args.kv_budget)
+    if slots < 1:
+        ap.error(f"--kv-budget {args.kv_budget} bytes holds no slot: one sequence of {capacity} tokens needs "
+                 f"{per_slot} bytes per rank (raise --kv-budget or lower --max-model-len)")
+    slots = min(slots, args.max_batch)
+    if args.max_waiting < 0:
+        ap.error("--max-waiting must be >= 0")
+
+    import uvicorn
+
+    from .app import Served, create_app
+    from .scheduler import Scheduler
+    from .text import load_tokenizer
+
+    tokenizer, tok_path = load_tokenizer(args.checkpoint_dir)
+    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}); "
+             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank; "
+             f"tokenizer {tok_path}")
+    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp)
+    try:
+        scheduler = Scheduler(backend, slots, capacity, args.max_waiting)
+    except BaseException:
+        backend.close()
+        raise
+    model_id = args.checkpoint_dir.resolve().name
+    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size), on_shutdown=backend.close)
+    announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.graceful_timeout)
+    finally:
+        scheduler.close(timeout=0)
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Iteration-level scheduling: one thread drives the engine one decode step at a time.
+
+Before every step it hands the engine the requests that wait (as many as there are free slots)
+and the ones to drop (finished by a stop string, cancelled, client gone); the engine prefills the
+new ones, places them in the running batch and decodes every row once (`Backend.batch_step`, one
+call, also across TP ranks). New tokens go to each request's asyncio queue; detokenization and
+HTTP happen in the event loop, so this loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from plugins.core.batching import BatchRequest
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class ServerClosing(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    params: BatchRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    generated: int = 0
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Metrics:
+    def __init__(self, slots: int, pool_bytes: int):
+        disable_created_metrics()  # no *_created series: they only say when the server started
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("mqa_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("mqa_requests_waiting", "Requests waiting for a KV slot", registry=r)
+        self.slots_used = Gauge("mqa_kv_pool_slots_used", "KV pool slots holding a request", registry=r)
+        Gauge("mqa_kv_pool_slots", "KV pool slots", registry=r).set(slots)
+        Gauge("mqa_kv_pool_bytes", "Bytes of the preallocated KV pool (per rank)", registry=r).set(pool_bytes)
+        self.usage = Gauge("mqa_kv_pool_usage_ratio", "Fraction of KV pool slots in use", registry=r)
+        self.tokens_per_s = Gauge("mqa_generation_tokens_per_second", "Generated tokens/s over the last 10 s",
+                                  registry=r)
+        self.tokens = Counter("mqa_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("mqa_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.finished = Counter("mqa_requests_finished", "Finished requests", ["reason"], registry=r)
+        self.ttft = Histogram("mqa_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+        self.steps = Counter("mqa_decode_steps", "Engine steps", registry=r)
+        self._window: deque[tuple[float, int]] = deque()
+
+    def step(self, now: float, new_tokens: int) -> None:
+        self.steps.inc()
+        self.tokens.inc(new_tokens)
+        self._window.append((now, new_tokens))
+        while self._window and now - self._window[0][0] > 10.0:
+            self._window.popleft()
+        span = now - self._window[0][0] if len(self._window) > 1 else 0.0
+        self.tokens_per_s.set(sum(n for _, n in list(self._window)[1:]) / span if span > 0 else 0.0)
+
+
+class Scheduler:
+    """FIFO admission into `slots` KV slots; at most `max_waiting` requests queue for one."""
+
+    def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256):
+        self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
+        state = backend.open_batch(slots, capacity)
+        self.metrics = Metrics(slots, state["kv_pool_bytes"])
+        self.pool_bytes = state["kv_pool_bytes"]
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}
+        self._drop: set[int] = set()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self.error: str | None = None  # set when the engine failed; the server then reports unhealthy
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if self._closing or self.error:
+                raise ServerClosing("the server is shutting down" if self._closing else f"engine failed: {self.error}")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"server busy: {len(self._waiting)} requests already wait for a KV slot "
+                                f"(--max-waiting {self.max_waiting}); retry later")
+            self._waiting.append(request)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify()
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (client gone, stop string): its slot is freed at the next step."""
+        with self._cond:
+            for req in self._waiting:
+                if req.params.id == request_id:
+                    self._waiting.remove(req)
+                    self.metrics.waiting.set(len(self._waiting))
+                    self.metrics.finished.labels("cancelled").inc()
+                    return
+            if request_id in self._running:
+                self._drop.add(request_id)
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self._running or self._closing):
+                    self._cond.wait()
+                if self._closing and not self._running and not self._waiting:
+                    return
+                release = sorted(self._drop)
+                for rid in release:
+                    req = self._running.pop(rid, None)
+                    if req is not None:
+                        self.metrics.finished.labels("cancelled").inc()
+                        req.put(("done", "cancelled"))
+                self._drop.clear()
+                admit = []
+                while self._waiting and len(self._running) + len(admit) < self.slots:
+                    admit.append(self._waiting.popleft())
+                for req in admit:
+                    self._running[req.params.id] = req
+                self.metrics.waiting.set(len(self._waiting))
+            try:
+                result = self.backend.batch_step([r.params for r in admit], release)
+            except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones
+                self._fail(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                return
+            self._deliver(result, admit)
+
+    def _deliver(self, result: dict, admit: list[Request]) -> None:
+        now = time.monotonic()
+        with self._cond:
+            new = 0
+            for req in admit:
+                self.metrics.prompt_tokens.inc(len(req.params.prompt))
+            for rid, tokens in result["tokens"].items():
+                req = self._running.get(rid)
+                if req is None:
+                    continue  # dropped while this step ran
+                if req.first_token is None:
+                    req.first_token = now
+                    self.metrics.ttft.observe(now - req.arrived)
+                req.generated += len(tokens)
+                new += len(tokens)
+                req.put(("tokens", tokens))
+            for rid, reason in result["finished"].items():
+                req = self._running.pop(rid, None)
+                if req is not None:
+                    self.metrics.finished.labels(reason).inc()
+                    req.put(("done", reason))
+            self.metrics.step(now, new)
+            self.metrics.running.set(len(self._running))
+            self.metrics.slots_used.set(len(self._running))
+            self.metrics.usage.set(len(self._running) / self.slots)
+
+    def _fail(self, message: str, details: str) -> None:
+        with self._cond:
+            self.error = message
+            for req in list(self._running.values()) + list(self._waiting):
+                req.put(("error", message))
+                self.metrics.finished.labels("error").inc()
+            self._running.clear()
+            self._waiting.clear()
+        print(f"engine step failed; failing every request:\n{details}", flush=True)
+
+    def close(self, timeout: float = 30.0) -> int:
+        """Stop taking requests, let the running ones finish (up to `timeout` s), fail the rest;
+        returns how many were failed."""
+        with self._cond:
+            self._closing = True
+            failed = list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                failed += self._running.values()
+                self._running.clear()
+            self._thread.join(10)
+        for req in failed:
+            req.put(("error", "the server is shutting down"))
+        return len(failed)
+
+    def state(self) -> dict:
+        with self._cond:
+            return {"running": len(self._running), "waiting": len(self._waiting), "slots": self.slots,
+                    "capacity": self.capacity, "kv_pool_bytes": self.pool_bytes, "error": self.error}

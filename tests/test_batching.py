@@ -1,0 +1,113 @@
+"""Continuous batching (plugins.core.batching) on every engine: requests that join and leave a running
+batch at different steps produce, token for token, what `generate` produces for each alone (fp32)."""
+
+import pytest
+import torch
+
+from plugins.core.backend import ConfigError, load_backend
+from plugins.core.batching import BatchRequest
+from plugins.core.tokenizer import prompt_token_ids
+
+# (arrival step, prompt length, new tokens, sampling seed or None for greedy)
+SCHEDULE = [(0, 9, 12, None), (0, 23, 5, None), (1, 4, 30, None), (2, 31, 9, 7), (2, 6, 1, None),
+            (3, 14, 20, None), (5, 40, 8, None), (6, 3, 25, 11), (9, 18, 16, None), (12, 27, 6, None)]
+SLOTS = 4
+CAPACITY = 64  # small: rows hit the last column and compact several times
+
+
+def requests(tokenizer, eos=None):
+    out = []
+    for i, (step, length, new, seed) in enumerate(SCHEDULE):
+        out.append((step, BatchRequest(id=100 + i, prompt=prompt_token_ids(tokenizer, length, i), max_new_tokens=new,
+                                       do_sample=seed is not None, temperature=0.8, top_p=0.9, seed=seed or 0,
+                                       eos_token_id=eos)))
+    return out
+
+
+def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None):
+    """Drive open_batch / batch_step as the server does: FIFO admission while slots are free."""
+    state = backend.open_batch(slots, capacity)
+    waiting, running, out, finished = list(schedule), set(), {}, {}
+    step = 0
+    while waiting or running:
+        admit = []
+        while waiting and waiting[0][0] <= step and len(running) + len(admit) < slots:
+            admit.append(waiting.pop(0)[1])
+        release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
+        running.difference_update(release)
+        result = backend.batch_step(admit, release)
+        running.update(r.id for r in admit)
+        for rid, tokens in result["tokens"].items():
+            out.setdefault(rid, []).extend(tokens)
+        finished.update(result["finished"])
+        running.difference_update(result["finished"])
+        step += 1
+    return state, out, finished
+
+
+def alone(backend, request: BatchRequest) -> list[int]:
+    ids = torch.tensor([request.prompt])
+    result = backend.generate(ids, torch.ones_like(ids), request.max_new_tokens, do_sample=request.do_sample,
+                              temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+    return result.tokens[0, len(request.prompt):].tolist()
+
+
+BACKENDS = [("hf", {}), ("deepspeed", {}), ("megatron", {})]
+
+
+@pytest.mark.parametrize("name,options", BACKENDS, ids=[b[0] for b in BACKENDS])
+def test_overlapping_requests_match_generate_alone(tiny_dir, tokenizer, name, options):
+    backend = load_backend(name, tiny_dir, dtype="float32", **options)
+    schedule = requests(tokenizer)
+    state, out, finished = run(backend, schedule)
+    for _, request in schedule:
+        assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
+        assert finished[request.id] == "length"
+    # the pool is allocated once, for SLOTS x CAPACITY tokens of one KV head (MQA) or n_head heads (MHA)
+    config = backend.config
+    kv_heads = 1 if config.multi_query else config.n_head
+    assert state["kv_pool_bytes"] == config.n_layer * 2 * SLOTS * CAPACITY * kv_heads * (config.n_embd // config.n_head) * 4
+
+
+def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenizer):
+    backend = load_backend("deepspeed", ckpt_factory("tiny"), dtype="float32")
+    schedule = requests(tokenizer)
+    # request 102 is dropped after 7 tokens (client gone); 105 stops at the token it produces 4th
+    expected = {r.id: alone(backend, r) for _, r in schedule}
+    eos = expected[105][3]
+    for _, r in schedule:
+        if r.id == 105:
+            r.eos_token_id = eos
+    _, out, finished = run(backend, schedule, cancel=lambda rid, n: rid == 102 and n >= 7)
+    assert out[102] == expected[102][:len(out[102])] and 7 <= len(out[102]) < len(expected[102])
+    stop_at = expected[105].index(eos) + 1
+    assert out[105] == expected[105][:stop_at] and finished[105] == "stop"
+    for rid in expected.keys() - {102, 105}:
+        assert out[rid] == expected[rid]
+
+
+def test_requests_the_pool_cannot_hold_are_refused_before_any_work(ckpt_factory, tokenizer):
+    backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
+    backend.open_batch(2, 32)
+    too_long = BatchRequest(id=1, prompt=prompt_token_ids(tokenizer, 30, 0), max_new_tokens=3)
+    with pytest.raises(ConfigError, match="exceeds the context of 32"):
+        backend.batch_step([too_long])
+    many = [BatchRequest(id=i, prompt=[1, 2], max_new_tokens=2) for i in range(3)]
+    with pytest.raises(ConfigError, match="3 requests for 2 slots"):
+        backend.batch_step(many)
+    with pytest.raises(ConfigError, match="n_positions"):
+        backend.open_batch(2, backend.config.n_positions + 1)
+
+
+def test_speculative_or_batch_sharded_backends_refuse_to_serve(ckpt_factory):
+    with pytest.raises(ConfigError, match="speculative"):
+        load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": "int8"}).open_batch(2, 32)
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "megatron"])
+def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, name):
+    schedule = requests(tokenizer)[:6]
+    with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
+        _, out, _ = run(backend, schedule)
+        for _, request in schedule:
+            assert out[request.id] == alone(backend, request)

@@ -1,0 +1,320 @@
+"""The completions server, live on 127.0.0.1: the real `openai` client and raw HTTP for the streams.
+
+Every greedy completion served under concurrency must be, token for token, what `generate` gives
+for that request alone on the same engine (fp32).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+import torch
+
+from plugins.core.backend import load_backend
+from plugins.core.tokenizer import load_tokenizer, prompt_token_ids
+from plugins.serve.text import StreamText, encode_prompt
+
+REPO = Path(__file__).resolve().parent.parent
+SLOTS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, ckpt, *args, slots=SLOTS, max_waiting=8):
+        # tiny: 2 layers x K,V x 16 dims x 4 bytes x 256 positions x kv heads per token
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(ckpt).parent / f"server-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "plugins.serve", str(ckpt), "--dtype", "float32", "--port", str(self.port),
+               "--max-waiting", str(max_waiting), "--graceful-timeout", "20", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx2.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx2.get(self.url + "/metrics").text
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+        assert m, f"{name} not in /metrics:\n{text}"
+        return float(m.group(1))
+
+    def stop(self, timeout=60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    children = {}
+    for line in out:
+        if line.strip():
+            p, pp = map(int, line.split())
+            children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    return ckpt_factory("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    return load_backend("deepspeed", ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    s = Server(ckpt, "--backend", "deepspeed", "--kv-budget", str(SLOTS * 2 * 2 * 16 * 4 * 256))
+    yield s
+    s.stop()
+
+
+def expected_text(engine, tok, ids, max_tokens, **sampling):
+    """What `generate` alone gives, cut after EOS as the server stops there: (text, tokens, finish reason)."""
+    t = torch.tensor([ids])
+    new = engine.generate(t, torch.ones_like(t), max_tokens, **sampling).tokens[0, len(ids):].tolist()
+    eos = tok.token_to_id("<|endoftext|>")
+    reason = "length"
+    if eos in new:
+        new, reason = new[:new.index(eos) + 1], "stop"
+    return tok.decode([i for i in new if i != eos], skip_special_tokens=False), len(new), reason
+
+
+PROMPTS = [(5 + 3 * i, 4 + 5 * i) for i in range(9)]  # (prompt tokens, max_tokens), all different
+
+
+def prompt_text(tok, i, length):
+    return tok.decode(prompt_token_ids(tok, length, i))
+
+
+def test_models_and_health(server, ckpt):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [Path(ckpt).name]
+    health = httpx2.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["slots"] == SLOTS and health["capacity"] == 256
+
+
+def test_concurrent_greedy_completions_match_generate_alone(server, engine, tok, ckpt):
+    model = Path(ckpt).name
+
+    def ask(i):
+        time.sleep(0.05 * i)  # arrivals spread over the running batch's steps
+        length, max_tokens = PROMPTS[i]
+        return server.client.completions.create(model=model, prompt=prompt_text(tok, i, length),
+                                                max_tokens=max_tokens, temperature=0)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, range(len(PROMPTS))))
+    for i, answer in enumerate(answers):
+        length, max_tokens = PROMPTS[i]
+        ids = tok.encode(prompt_text(tok, i, length)).ids
+        text, n, reason = expected_text(engine, tok, ids, max_tokens)
+        assert answer.choices[0].text == text, f"request {i}"
+        assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == n
+        assert answer.choices[0].finish_reason == reason
+    assert server.metric("mqa_requests_running") == 0
+
+
+def test_stream_over_raw_http_is_sse_and_equals_the_plain_answer(server, tok, ckpt):
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 3, 12), "max_tokens": 40, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    chunks = []
+    with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] >= 1
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert len(chunks) > 3  # text arrived as it was made, not in one piece
+    plain = server.client.completions.create(model=body["model"], prompt=body["prompt"], max_tokens=40, temperature=0)
+    assert text == plain.choices[0].text and usage == plain.usage.model_dump(exclude_none=True)
+
+
+def test_openai_client_stream_stop_strings_and_seeded_sampling(server, engine, tok, ckpt):
+    model = Path(ckpt).name
+    for i in range(20):  # a completion with a 3-character stop string that first occurs after its start
+        prompt = prompt_text(tok, i, 9)
+        full = server.client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+        at = next((j for j in range(2, len(full) - 3) if full.find(full[j:j + 3]) == j), None)
+        if at is not None:
+            break
+    stop = full[at:at + 3]
+    pieces = list(server.client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0,
+                                                   stop=[stop, "\x00never"], stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == full[:at]
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+    ids = tok.encode(prompt).ids
+    sampled = [server.client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0.9,
+                                                top_p=0.95, seed=42).choices[0].text for _ in range(2)]
+    text = expected_text(engine, tok, ids, 20, do_sample=True, temperature=0.9, top_p=0.95, seed=42)[0]
+    assert sampled == [text, text]
+
+
+def test_suffix_is_fill_in_the_middle_with_the_tokenizers_own_tokens(server, engine, tok, ckpt):
+    prefix, suffix = "def add(a, b):\n    ", "\n    return c\n"
+    answer = server.client.completions.create(model=Path(ckpt).name, prompt=prefix, suffix=suffix, max_tokens=12,
+                                              temperature=0)
+    ids = encode_prompt(tok, prefix, suffix)
+    assert ids[0] == tok.token_to_id("<fim-prefix>") and ids[-1] == tok.token_to_id("<fim-middle>")
+    assert tok.token_to_id("<fim-suffix>") in ids
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].text == expected_text(engine, tok, ids, 12)[0]
+
+
+def test_stream_text_never_splits_a_character(tok):
+    text = "naïve 漢字 🙂 ok"
+    ids = tok.encode(text).ids
+    stream = StreamText(tok)
+    pieces = [stream.add([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert len(ids) > len(text.encode()) // 4  # multi-byte characters really span several tokens
+
+
+BAD = [
+    (b"{not json", 400, None, "not valid JSON"),
+    (json.dumps({"model": "M", "prompt": "x", "colour": 1}).encode(), 400, "colour", "unknown field"),
+    (json.dumps({"model": "M", "prompt": "x", "max_tokens": "5"}).encode(), 400, "max_tokens", "integer"),
+    (json.dumps({"model": "M", "prompt": "x", "n": 2}).encode(), 400, "n", "n = 1"),
+    (json.dumps({"model": "M", "prompt": "x", "max_tokens": 300}).encode(), 400, "max_tokens", "context of 256"),
+    (json.dumps({"model": "M", "prompt": "x", "temperature": 3}).encode(), 400, "temperature", "less than or equal"),
+    (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,message", BAD)
+def test_bad_requests_get_one_openai_error(server, ckpt, body, status, param, message):
+    body = body.replace(b'"M"', json.dumps(Path(ckpt).name).encode())
+    r = httpx2.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"]
+
+
+def test_openai_client_sees_bad_request_errors(server, ckpt):
+    with pytest.raises(openai.BadRequestError, match="context of 256"):
+        server.client.completions.create(model=Path(ckpt).name, prompt="x", max_tokens=1000)
+
+
+def test_client_gone_mid_stream_frees_its_slot(server, tok, ckpt):
+    cancelled = server.metric('mqa_requests_finished_total{reason="cancelled"}') if "cancelled" in \
+        httpx2.get(server.url + "/metrics").text else 0
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 1, 8), "max_tokens": 240, "temperature": 0,
+            "stream": True}
+    with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert server.metric("mqa_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while server.metric("mqa_requests_running") != 0:
+        assert time.monotonic() < deadline, "the slot of a disconnected client was not freed"
+        time.sleep(0.05)
+    assert server.metric('mqa_requests_finished_total{reason="cancelled"}') == cancelled + 1
+    assert server.metric("mqa_kv_pool_slots_used") == 0
+
+
+def test_a_full_queue_answers_503_and_the_rest_complete(server, tok, ckpt):
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 2, 8), "max_tokens": 60, "temperature": 0}
+    with ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(lambda _: httpx2.post(server.url + "/v1/completions", json=body, timeout=120), range(24)))
+    refused = [r for r in codes if r.status_code == 503]
+    assert refused and all("server busy" in r.json()["error"]["message"] for r in refused)
+    done = [r.json()["choices"][0]["text"] for r in codes if r.status_code == 200]
+    assert len(done) >= SLOTS and len(set(done)) == 1
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tok):
+    server = Server(ckpt, "--backend", "hf", "--kv-budget", "1MB")
+    result = {}
+
+    def ask():
+        result["answer"] = server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tok, 0, 6),
+                                                            max_tokens=200, temperature=0)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    while server.metric("mqa_requests_running") == 0:
+        time.sleep(0.02)
+    # uvicorn finishes open requests, runs our shutdown, then re-raises the signal it caught
+    assert server.stop() == -signal.SIGTERM, server.output()
+    assert "shut down" in server.output()
+    thread.join()
+    assert result["answer"].usage.completion_tokens >= 1
+    assert result["answer"].choices[0].finish_reason in ("length", "stop")
+
+
+def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, tok):
+    ckpt = ckpt_factory("tiny-mha")
+    server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB")
+    try:
+        workers = descendants(server.proc.pid)
+        assert len(workers) >= 2
+        engine = load_backend("deepspeed", ckpt, dtype="float32")
+
+        def ask(i):
+            time.sleep(0.05 * i)
+            length, max_tokens = PROMPTS[i]
+            return server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tok, i, length),
+                                                    max_tokens=max_tokens, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, range(8)))
+        for i, text in enumerate(texts):
+            length, max_tokens = PROMPTS[i]
+            assert text == expected_text(engine, tok, tok.encode(prompt_text(tok, i, length)).ids, max_tokens)[0]
+    finally:
+        assert server.stop() == -signal.SIGTERM, server.output()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in workers):
+        assert time.monotonic() < deadline, "TP workers outlived the server"
+        time.sleep(0.1)
