@@ -22,6 +22,7 @@ LEVELS = {
     "plugins.hf": 3,
     "plugins.deepspeed": 4,
     "plugins.megatron": 4,
+    "plugins.peers": 4,
     "plugins.bench": 5,
     "plugins.serve": 5,
     "scripts": 6,

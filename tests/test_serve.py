@@ -240,6 +240,18 @@ def test_bad_requests_get_one_openai_error(server, ckpt, body, status, param, me
     assert message in error["message"] and error["param"] == param and error["type"]
 
 
+def test_a_repeated_prompt_reuses_its_cached_prefix(server, tok, ckpt):
+    before = server.metric("mqa_prefix_cache_reused_tokens_total")
+    hits = server.metric("mqa_prefix_cache_hits_total")
+    prompt = prompt_token_ids(tok, 40, 60)  # token ids: exactly these 40 tokens
+    answers = [server.client.completions.create(model=Path(ckpt).name, prompt=prompt, max_tokens=5,
+                                                temperature=0).choices[0].text for _ in range(2)]
+    assert answers[0] == answers[1]
+    assert server.metric("mqa_prefix_cache_hits_total") == hits + 1
+    assert server.metric("mqa_prefix_cache_reused_tokens_total") == before + 32  # 2 whole blocks; 1 token left
+    assert server.metric("mqa_prefix_cache_bytes") > 0
+
+
 def test_openai_client_sees_bad_request_errors(server, ckpt):
     with pytest.raises(openai.BadRequestError, match="context of 256"):
         server.client.completions.create(model=Path(ckpt).name, prompt="x", max_tokens=1000)

@@ -72,19 +72,22 @@ class LocalBackend:
         """A `plugins.core.batching.BatchDecoder` on a KV pool of `slots` x `capacity` tokens."""
         raise ConfigError(f"backend {self.name!r} has no continuous batching")
 
-    def open_batch(self, slots: int, capacity: int | None = None) -> dict:
+    def open_batch(self, slots: int, capacity: int | None = None, prefix_cache_bytes: int = 0) -> dict:
         """Allocate the KV pool of a continuous batch (`plugins.core.batching`) and return its state;
-        `capacity` (prompt + new tokens per request) defaults to n_positions."""
+        `capacity` (prompt + new tokens per request) defaults to n_positions; `prefix_cache_bytes` > 0
+        keeps prompt prefixes' KV for reuse, up to that many bytes (per rank)."""
         from .batching import ContinuousBatch
 
         capacity = self.config.n_positions if capacity is None else capacity
-        for name, value in (("slots", slots), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, least in (("slots", slots, 1), ("capacity", capacity, 1),
+                                   ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         if capacity > self.config.n_positions:
             raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {self.config.n_positions}")
         self._batch = None  # the old pool is freed before the new one is allocated
-        self._batch = ContinuousBatch(self.batch_decoder(slots, capacity), slots, capacity, self.device)
+        self._batch = ContinuousBatch(self.batch_decoder(slots, capacity), slots, capacity, self.device,
+                                      prefix_cache_bytes)
         return self._batch.state()
 
     def batch_step(self, admit=(), release=()) -> dict:
@@ -110,6 +113,7 @@ BACKENDS = {
     "deepspeed": "plugins.deepspeed:DeepSpeedBackend",
     "deepspeed-autotp": "plugins.deepspeed:AutoTPBackend",
     "megatron": "plugins.megatron:MegatronGPT",
+    "ctranslate2": "plugins.peers.ctranslate2:CTranslate2Backend",
 }
 
 

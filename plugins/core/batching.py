@@ -28,6 +28,7 @@ import torch
 
 from .config import ConfigError
 from .generation import Sampler
+from .prefix_cache import PrefixCache
 
 
 class BatchDecoder(Protocol):
@@ -37,9 +38,11 @@ class BatchDecoder(Protocol):
     batch_dim: int
     time_dim: int
 
-    def prefill_alone(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def prefill_alone(self, input_ids: torch.Tensor, prefix: list[torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One unpadded prompt [1, P] -> (logits of its last position [1, V], its K and V per layer: P
-        columns, in the order and layout of `pool_tensors`)."""
+        columns, in the order and layout of `pool_tensors`). `prefix`: the K and V of its first columns,
+        already computed (a prefix-cache hit): only the rest of the prompt runs."""
 
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every K and V buffer of the pool (allocated by the first `prefill_alone` at the latest)."""
@@ -71,10 +74,14 @@ class _Row:
 
 
 class ContinuousBatch:
-    def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu"):
+    """`prefix_cache_bytes` > 0 keeps the KV of prompt prefixes for later prompts that share them
+    (plugins.core.prefix_cache); 0 turns that off."""
+
+    def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0):
         if slots < 1 or capacity < 2:
             raise ConfigError(f"a KV pool needs >= 1 slot and >= 2 columns, got {slots} x {capacity}")
         self.decoder, self.slots, self.capacity = decoder, slots, capacity
+        self.prefix = PrefixCache(prefix_cache_bytes, decoder.time_dim) if prefix_cache_bytes > 0 else None
         self.mask = torch.zeros((slots, capacity), dtype=torch.long, device=device)
         self.last = torch.zeros((slots, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((slots, 1), dtype=torch.long, device=device)
@@ -113,7 +120,10 @@ class ContinuousBatch:
             self._admit(request, out, finished)
         if self.rows:
             self._decode(out, finished)
-        return {"tokens": out, "finished": finished}
+        result = {"tokens": out, "finished": finished}
+        if self.prefix:
+            result["prefix_cache"] = self.prefix.stats()
+        return result
 
     def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
         out.setdefault(row.request.id, []).append(token)
@@ -127,7 +137,10 @@ class ContinuousBatch:
     def _admit(self, request: BatchRequest, out: dict, finished: dict) -> None:
         p = len(request.prompt)
         ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
-        logits, kv = self.decoder.prefill_alone(ids)
+        _, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
+        logits, kv = self.decoder.prefill_alone(ids, prefix)
+        if self.prefix:
+            self.prefix.insert(request.prompt, kv)
         r = request
         row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed))
         token = int(row.sampler(logits)[0])
@@ -216,4 +229,5 @@ class ContinuousBatch:
 
     def state(self) -> dict:
         return {"running": self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
-                "kv_pool_bytes": self.kv_pool_bytes()}
+                "kv_pool_bytes": self.kv_pool_bytes(),
+                "prefix_cache": self.prefix.stats() if self.prefix else None}

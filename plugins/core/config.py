@@ -7,6 +7,8 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -178,3 +180,17 @@ def hf_shapes(config: GPTBigCodeConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+               "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """'512MB', '2GiB', '1.5G' or a plain number of bytes (binary units); an argparse type."""
+    import argparse
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).upper()])

@@ -51,6 +51,13 @@ def load_tokenizer() -> Tokenizer:
     return Tokenizer.from_file(str(TOKENIZER_FILE))
 
 
+def checkpoint_tokenizer(checkpoint_dir: str | Path) -> tuple[Tokenizer, Path]:
+    """A checkpoint's own `tokenizer.json`, else the project's (what our checkpoints are built for)."""
+    own = Path(checkpoint_dir) / "tokenizer.json"
+    path = own if own.is_file() else TOKENIZER_FILE
+    return Tokenizer.from_file(str(path)), path
+
+
 def prompt_token_ids(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
     """Real code, exactly `length` tokens: the `index`-th window of the prompt corpus."""
     ids = tok.encode(PROMPTS_FILE.read_text()).ids

@@ -151,12 +151,10 @@ class DeepSpeedBackend(HFBackend):
         if self.kv_layout == "batch":
             raise ConfigError("continuous batching needs kv_layout='head' (rows join and leave the pool on "
                               "every rank)")
-        cache = SingleHeadCache(self.config, capacity, batch=slots, dtype=self.dtype, device=self.device,
-                                tp_size=self.tp_size)
-        step = self._decoder_on(cache)
-        if isinstance(step, InjectedDecoder):
-            step.padded = True  # rows start at different columns: the mask is always needed
-        return PoolDecoder(self, cache, step)
+        pool = PoolDecoder(self, slots, capacity, self._decoder_on)
+        if isinstance(pool.step, InjectedDecoder):
+            pool.step.padded = True  # rows start at different columns: the mask is always needed
+        return pool
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:

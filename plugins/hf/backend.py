@@ -49,23 +49,41 @@ class HFDecoder:
 class PoolDecoder:
     """A `plugins.core.batching.BatchDecoder` on a `SingleHeadCache` of `slots` rows ([rows, kv heads,
     columns, head dim] per layer): before each step the cache layers are pointed at the active rows
-    [0, n) and the shared length t (views, no copies); `step` is the backend's decoder on that cache.
-    Prompts are prefilled by the backend's own batch-1 decoder."""
+    [0, n) and the shared length t (views, no copies). `make_step(cache)` is the backend's decoder on a
+    cache. A prompt is prefilled by the backend's own batch-1 decoder, or, after a prefix-cache hit,
+    by `make_step` on a one-row cache that starts with the reused prefix."""
 
     batch_dim, time_dim = 0, 2
 
-    def __init__(self, backend, cache, step):
-        self.backend, self.cache, self.step = backend, cache, step
-        self.full = [(layer.keys, layer.values) for layer in cache.layers]
+    def __init__(self, backend, slots: int, capacity: int, make_step):
+        self.backend, self.make_step = backend, make_step
+        self.cache = self._cache(slots, capacity)
+        self.step = make_step(self.cache)
+        self.full = [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def _cache(self, batch: int, length: int) -> SingleHeadCache:
+        b = self.backend
+        return SingleHeadCache(b.config, length, batch=batch, dtype=b.dtype, device=b.device, tp_size=b.tp_size)
 
     def pool_tensors(self):
         return [t for kv in self.full for t in kv]
 
-    def prefill_alone(self, input_ids):
+    def prefill_alone(self, input_ids, prefix=None):
         p = input_ids.shape[1]
-        scratch = self.backend.decoder(1, p)
         mask = torch.ones_like(input_ids)
-        logits = scratch.prefill(input_ids, mask, position_ids(mask))
+        pos = position_ids(mask)
+        if prefix is None:
+            scratch = self.backend.decoder(1, p)
+            logits = scratch.prefill(input_ids, mask, pos)
+        else:
+            n = prefix[0].shape[2]
+            cache = self._cache(1, p)
+            for layer, keys, values in zip(cache.layers, prefix[0::2], prefix[1::2]):
+                layer.keys[:, :, :n].copy_(keys)
+                layer.values[:, :, :n].copy_(values)
+                layer.length = n
+            scratch = self.make_step(cache)
+            logits = scratch.prefill(input_ids[:, n:], mask, pos[:, n:])
         return logits, [t[:, :, :p] for layer in scratch.cache.layers for t in (layer.keys, layer.values)]
 
     def decode(self, tokens, attention_mask, position_ids):
@@ -105,8 +123,7 @@ class HFBackend(LocalBackend):
         return HFDecoder(self.model)
 
     def batch_decoder(self, slots: int, capacity: int) -> PoolDecoder:
-        cache = SingleHeadCache(self.config, capacity, batch=slots, dtype=self.dtype, device=self.device)
-        return PoolDecoder(self, cache, HFDecoder(self.model, cache))
+        return PoolDecoder(self, slots, capacity, lambda cache: HFDecoder(self.model, cache))
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:

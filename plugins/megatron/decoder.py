@@ -74,11 +74,23 @@ class MegatronPoolDecoder:
     def pool_tensors(self):
         return [t for layer in sorted(self.step.ctx.key_value_memory_dict) for t in self.step.ctx.key_value_memory_dict[layer]]
 
-    def prefill_alone(self, input_ids):
+    def prefill_alone(self, input_ids, prefix=None):
         p = input_ids.shape[1]
         scratch = self.backend.decoder(1, p)
         mask = torch.ones_like(input_ids)
-        logits = scratch.prefill(input_ids, mask, position_ids(mask))
+        pos = position_ids(mask)
+        if prefix is None:
+            logits = scratch.prefill(input_ids, mask, pos)
+        else:  # the context starts with the reused prefix; the rest of the prompt attends to it
+            n = prefix[0].shape[0]
+            kv = scratch.ctx.key_value_memory_dict
+            for layer, keys, values in zip(range(1, len(prefix) // 2 + 1), prefix[0::2], prefix[1::2]):
+                kv[layer] = tuple(torch.zeros((p, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (keys, values))
+                kv[layer][0][:n].copy_(keys)
+                kv[layer][1][:n].copy_(values)
+            scratch.ctx.sequence_len_offset = n
+            future = torch.ones((p, p), dtype=torch.bool, device=input_ids.device).triu(1)[n:]
+            logits = scratch._forward(input_ids[:, n:], future[None, None], pos[:, n:])
         kv = scratch.ctx.key_value_memory_dict
         return logits, [t[:p] for layer in sorted(kv) for t in kv[layer]]
 

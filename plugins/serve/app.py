@@ -70,6 +70,7 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
+        arrived = time.monotonic()  # TTFT counts tokenization and queueing too
         body = bytearray()
         async for chunk in http.stream():
             body += chunk
@@ -86,7 +87,7 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
                                f"context of {sched.capacity} tokens", "max_tokens")
         params = BatchRequest(id=sched.new_id(), prompt=prompt, max_new_tokens=max_tokens,
                               eos_token_id=served.eos, **sampling(req))
-        entry = Request(params, asyncio.get_running_loop())
+        entry = Request(params, asyncio.get_running_loop(), arrived=arrived)
         try:
             sched.submit(entry)
         except (QueueFull, ServerClosing) as e:

@@ -11,21 +11,10 @@ slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503). The
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def byte_size(text: str) -> int:
-    """'512MB', '2GiB', '1.5G' or a plain number of bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GB, 512MB, 1073741824)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
+from plugins.core.config import byte_size
 
 def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
     """(slots that fit `budget` bytes per rank, bytes per slot)."""
@@ -47,6 +36,8 @@ def parse_args(argv=None):
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (worker processes)")
     ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"),
                     help="bytes of KV pool per rank (default 1GB): slots = budget / (bytes per token x context)")
+    ap.add_argument("--prefix-cache", type=byte_size, default=byte_size("512MB"),
+                    help="bytes per rank of prompt-prefix KV kept for reuse (default 512MB; 0 turns it off)")
     ap.add_argument("--max-model-len", type=int, help="context per slot, prompt + max_tokens "
                                                       "(default the model's n_positions)")
     ap.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together (slots are "
@@ -92,15 +83,16 @@ def main(argv=None) -> int:
 
     from .app import Served, create_app
     from .scheduler import Scheduler
-    from .text import load_tokenizer
+    from plugins.core.tokenizer import checkpoint_tokenizer
 
-    tokenizer, tok_path = load_tokenizer(args.checkpoint_dir)
+    tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}); "
-             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank; "
+             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
+             f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
              f"tokenizer {tok_path}")
     backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp)
     try:
-        scheduler = Scheduler(backend, slots, capacity, args.max_waiting)
+        scheduler = Scheduler(backend, slots, capacity, args.max_waiting, args.prefix_cache)
     except BaseException:
         backend.close()
         raise
@@ -109,7 +101,8 @@ def main(argv=None) -> int:
     announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.graceful_timeout)
+                    timeout_graceful_shutdown=args.graceful_timeout,
+                    timeout_keep_alive=75)  # longer than clients keep idle connections (httpx: 5 s, uvicorn's default)
     finally:
         scheduler.close(timeout=0)
         backend.close()

@@ -5,23 +5,13 @@ All of it runs in the HTTP workers, never in the decode loop.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Tokenizer
 
-from plugins.core.tokenizer import TOKENIZER_FILE
 
 # Prefix-suffix-middle order, as SantaCoder and StarCoder were trained. The spellings differ
 # (SantaCoder `<fim-prefix>`, StarCoder `<fim_prefix>`): whichever the tokenizer holds is used.
 FIM_ROLES = ("prefix", "suffix", "middle")
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")
-
-
-def load_tokenizer(checkpoint_dir: str | Path) -> tuple[Tokenizer, Path]:
-    """The checkpoint's own `tokenizer.json`, else the project's (what our checkpoints are built for)."""
-    own = Path(checkpoint_dir) / "tokenizer.json"
-    path = own if own.is_file() else TOKENIZER_FILE
-    return Tokenizer.from_file(str(path)), path
 
 
 def special_id(tok: Tokenizer, names) -> int | None:
@@ -54,40 +44,50 @@ class StreamText:
 
     Text is released only when it cannot change: a byte-level token may end inside a UTF-8
     character (the decoder then shows U+FFFD until the rest arrives), and the tail that could be
-    the start of a stop string is held back until it is known not to be one.
+    the start of a stop string is held back until it is known not to be one. Each call decodes only
+    the tokens since the last complete character (plus those of the text before it, for context), so
+    a long completion costs the same per token as a short one.
     """
 
     def __init__(self, tok: Tokenizer, stop: list[str] = (), skip_ids: set[int] = frozenset()):
         self.tok, self.stop, self.skip = tok, [s for s in stop if s], skip_ids
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # every token fed (the usage count)
+        self._kept: list[int] = []  # those that make text (EOS and other skipped ids left out)
+        self._prefix = self._read = 0  # _kept[_prefix:_read] decoded to the last complete text
         self.text = ""        # decoded so far (complete characters only)
         self.sent = 0         # characters of `text` released
         self.stopped = False
 
-    def _decoded(self) -> str:
-        return self.tok.decode([i for i in self.ids if i not in self.skip], skip_special_tokens=False)
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def _advance(self, final: bool = False) -> None:
+        before = self._decode(self._kept[self._prefix:self._read])
+        now = self._decode(self._kept[self._prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self._kept)
 
     def add(self, ids: list[int]) -> str:
         """Feed new tokens; returns the text now final (maybe ""). After a stop string, returns nothing more."""
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self._decoded()
-        if text.endswith("\ufffd"):
-            return ""  # a character still incomplete: wait for its next byte(s)
-        self.text = text
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]  # released text holds none
+        self._kept.extend(i for i in ids if i not in self.skip)
+        self._advance()
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]  # released text holds none
         if hits:
             self.stopped = True
             return self._release(min(hits))
         hold = max((self._partial_stop(s) for s in self.stop), default=0)
-        return self._release(len(text) - hold)
+        return self._release(len(self.text) - hold)
 
     def flush(self) -> str:
-        """At the end of generation: whatever is left (a held-back prefix that never became a stop string)."""
+        """At the end of generation: whatever is left (a held-back prefix that never became a stop string,
+        an incomplete character as U+FFFD)."""
         if self.stopped:
             return ""
-        self.text = self._decoded()
+        self._advance(final=True)
         return self._release(len(self.text))
 
     def _partial_stop(self, stop: str) -> int:
@@ -101,7 +101,3 @@ class StreamText:
         end = max(end, self.sent)
         out, self.sent = self.text[self.sent:end], end
         return out
-
-    @property
-    def released(self) -> str:
-        return self.text[:self.sent]
