@@ -297,8 +297,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tok):
     thread.start()
     while server.metric("mqa_requests_running") == 0:
         time.sleep(0.02)
-    # uvicorn finishes open requests, runs our shutdown, then re-raises the signal it caught
-    assert server.stop() == -signal.SIGTERM, server.output()
+    assert server.stop() == 0, server.output()  # open requests finished, backend closed, a clean exit
     assert "shut down" in server.output()
     thread.join()
     assert result["answer"].usage.completion_tokens >= 1
@@ -325,7 +324,7 @@ def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, to
             length, max_tokens = PROMPTS[i]
             assert text == expected_text(engine, tok, tok.encode(prompt_text(tok, i, length)).ids, max_tokens)[0]
     finally:
-        assert server.stop() == -signal.SIGTERM, server.output()
+        assert server.stop() == 0, server.output()
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{p}").exists() for p in workers):
         assert time.monotonic() < deadline, "TP workers outlived the server"

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.core.config import byte_size
+from plugins.core.console import add_engine_args
 from plugins.core.launcher import free_port
 
 from .serving_report import ratios, summary, write_markdown, write_plot
@@ -345,13 +345,9 @@ def run_static(args, mixed: list[Req], decode: list[Req]) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
-    ap.add_argument("--backend", default="deepspeed", help="hf, deepspeed, deepspeed-autotp or megatron")
-    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (CPU)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    add_engine_args(ap, "server KV pool per rank")
     ap.add_argument("--max-batch", type=int, help="the server's most concurrent sequences (default --streams; "
                                                   "its KV budget may allow fewer)")
-    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"), help="server KV pool per rank")
     ap.add_argument("--max-model-len", type=int,
                     help="server context per slot (default: the longest prompt + the most tokens asked for)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="open loop: requests/s")

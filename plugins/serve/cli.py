@@ -11,7 +11,9 @@ slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503). The
 """
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from plugins.core.config import byte_size
@@ -99,13 +101,31 @@ def main(argv=None) -> int:
     model_id = args.checkpoint_dir.resolve().name
     app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size), on_shutdown=backend.close)
     announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout,
+        timeout_keep_alive=75))  # longer than clients keep idle connections (httpx: 5 s, uvicorn's default)
+
+    def serve_http():
+        try:
+            server.run()  # returns after its graceful shutdown (our lifespan closes the scheduler)
+        finally:
+            scheduler.close(timeout=0)  # also when it could not start (port taken): the decode loop ends
+
+    def stop(signum, frame):
+        server.should_exit = True  # uvicorn stops accepting, drains open requests, then shuts down
+
+    # HTTP on a thread, the decode loop on this one (see Scheduler.run); signals arrive here.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http = threading.Thread(target=serve_http, name="http")
+    http.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.graceful_timeout,
-                    timeout_keep_alive=75)  # longer than clients keep idle connections (httpx: 5 s, uvicorn's default)
+        scheduler.run()
     finally:
-        scheduler.close(timeout=0)
+        server.should_exit = True
+        http.join()
         backend.close()
+    return 0 if server.started else 1
     return 0
 
 
