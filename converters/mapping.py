@@ -351,11 +351,19 @@ def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, target: int):
     Returns (config, hub state); the queries are untouched. `target` must divide the current
     number of KV heads (MHA -> MQA/GQA, or GQA -> fewer groups).
     """
-    g, n, d = kv_heads(config), config.n_head, config.n_embd // config.n_head
+    g, n = kv_heads(config), config.n_head
     if not isinstance(target, int) or isinstance(target, bool) or target < 1 or g % target or n % target:
         raise ConversionError(f"kv_heads={target!r}: must be a positive divisor of the {g} KV heads "
                               f"of the source (n_head {n})")
-    if target == g:
+    return regroup_kv_heads(hf_state, config, target,
+                            lambda kv: kv.reshape(target, g // target, *kv.shape[1:]).float().mean(1).to(kv.dtype))
+
+
+def regroup_kv_heads(hf_state: dict, config: GPTBigCodeConfig, groups: int, new_kv) -> tuple[GPTBigCodeConfig, dict]:
+    """The model with `groups` KV heads: each layer's c_attn regrouped, `new_kv` mapping the source's
+    [KV heads, 2 (k, v), d, ...] to [groups, 2, d, ...] (pooled when fewer, repeated when more)."""
+    g, n, d = kv_heads(config), config.n_head, config.n_embd // config.n_head
+    if groups == g:
         return config, hf_state
     out = dict(hf_state)
     for i in range(config.n_layer):
@@ -364,7 +372,6 @@ def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, target: int):
             t = hf_state[name]
             rest = t.shape[1:]
             grouped = t.reshape(g, n // g + 2, d, *rest)  # per group [q heads | k | v]
-            q = grouped[:, : n // g].reshape(target, n // target, d, *rest)
-            kv = grouped[:, n // g:].reshape(target, g // target, 2, d, *rest).float().mean(1).to(t.dtype)
-            out[name] = torch.cat([q, kv], 1).reshape(-1, *rest)
-    return with_groups(config, target), out
+            q = grouped[:, : n // g].reshape(groups, n // groups, d, *rest)
+            out[name] = torch.cat([q, new_kv(grouped[:, n // g:])], 1).reshape(-1, *rest)
+    return with_groups(config, groups), out

@@ -40,7 +40,7 @@ from plugins.core.checkpoint import load_error
 from plugins.core.config import TANH_GELUS, check_hf_config, kv_heads
 
 from .mapping import (ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size, pool_kv_heads,
-                      stored_dtype, with_groups)
+                      regroup_kv_heads, stored_dtype, with_groups)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -387,20 +387,8 @@ def groups_for_tp(config: GPTBigCodeConfig, tp_size: int) -> int:
 
 def duplicate_kv_heads(hf_state: dict, config: GPTBigCodeConfig, groups: int) -> tuple[GPTBigCodeConfig, dict]:
     """The same model with each KV head repeated to `groups` groups (a multiple of the KV heads)."""
-    g, n, d = kv_heads(config), config.n_head, config.n_embd // config.n_head
-    if groups == g:
-        return config, hf_state
-    out = dict(hf_state)
-    for i in range(config.n_layer):
-        for kind in ("weight", "bias"):
-            name = f"transformer.h.{i}.attn.c_attn.{kind}"
-            t = hf_state[name]
-            rest = t.shape[1:]
-            grouped = t.reshape(g, n // g + 2, d, *rest)  # per group [q heads | k | v]
-            q = grouped[:, : n // g].reshape(groups, n // groups, d, *rest)
-            kv = grouped[:, n // g:].repeat_interleave(groups // g, 0)
-            out[name] = torch.cat([q, kv], 1).reshape(-1, *rest)
-    return with_groups(config, groups), out
+    return regroup_kv_heads(hf_state, config, groups,
+                            lambda kv: kv.repeat_interleave(groups // kv_heads(config), 0))
 
 
 def save_stages(dst: Path, ranks: list[list[dict]], args: Namespace, extra: dict) -> None:

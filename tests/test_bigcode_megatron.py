@@ -124,16 +124,21 @@ def test_fork_tp2_pp2_imports_to_hf_exactly(name, ckpt_factory, tmp_path, padded
     assert torch.equal(a.generate(ids, mask, 16).tokens, b.generate(ids, mask, 16).tokens)
 
 
-def test_fork_differing_key_value_replicas_are_refused(ckpt_factory, tmp_path):
-    write_bigcode_fork(load_hf_model(ckpt_factory("tiny")), tmp_path / "fork", tp=2)
-    f = tmp_path / "fork" / "iter_0001000" / "mp_rank_01" / "model_optim_rng.pt"
+def edit_fork_file(f, edit) -> None:
+    """Change a fork checkpoint file as a user of the fork would (it pickles the fork's enum)."""
     sys.modules.update(fork_enum_module())
     try:
         ck = torch.load(f, weights_only=False)
-        ck["model"]["language_model"]["transformer"]["layers.1.self_attention.key_value.weight"][0, 0] += 1
+        edit(ck)
         torch.save(ck, f)
     finally:
         sys.modules.pop("megatron.model.enums"), sys.modules.pop("megatron.model")
+
+
+def test_fork_differing_key_value_replicas_are_refused(ckpt_factory, tmp_path):
+    write_bigcode_fork(load_hf_model(ckpt_factory("tiny")), tmp_path / "fork", tp=2)
+    edit_fork_file(tmp_path / "fork" / "iter_0001000" / "mp_rank_01" / "model_optim_rng.pt", lambda ck: ck["model"][
+        "language_model"]["transformer"]["layers.1.self_attention.key_value.weight"][0, 0].add_(1))
     with pytest.raises(ConversionError, match=r"layers.1.self_attention.key_value.weight: .*ranks 0 and 1"):
         convert(tmp_path / "fork", tmp_path / "hf", "bigcode-megatron", "hf")
     assert not (tmp_path / "hf").exists()
@@ -160,13 +165,7 @@ def test_our_fork_layout_round_trips_and_pickles_the_forks_enum(name, ckpt_facto
 
 def test_rotary_fork_checkpoints_are_refused(ckpt_factory, tmp_path):
     write_bigcode_fork(load_hf_model(ckpt_factory("tiny")), tmp_path / "fork", tp=1)
-    f = tmp_path / "fork" / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt"
-    sys.modules.update(fork_enum_module())
-    try:
-        ck = torch.load(f, weights_only=False)
-        ck["args"].position_embedding_type = PositionEmbeddingType.rotary
-        torch.save(ck, f)
-    finally:
-        sys.modules.pop("megatron.model.enums"), sys.modules.pop("megatron.model")
+    edit_fork_file(tmp_path / "fork" / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt",
+                   lambda ck: setattr(ck["args"], "position_embedding_type", PositionEmbeddingType.rotary))
     with pytest.raises(ConversionError, match="position_embedding_type 'rotary'"):
         convert(tmp_path / "fork", tmp_path / "hf", "bigcode-megatron", "hf")

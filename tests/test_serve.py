@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,17 +21,12 @@ import pytest
 import torch
 
 from plugins.core.backend import load_backend
+from plugins.core.launcher import free_port
 from plugins.core.tokenizer import load_tokenizer, prompt_token_ids
 from plugins.serve.text import StreamText, encode_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 SLOTS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
