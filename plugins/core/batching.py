@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from .backend import tensor_bytes
 from .config import ConfigError
 from .generation import Sampler
 from .prefix_cache import PrefixCache
@@ -225,7 +226,7 @@ class ContinuousBatch:
         return tensor.narrow(dim, start, end - start)
 
     def kv_pool_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.decoder.pool_tensors())
+        return tensor_bytes(self.decoder.pool_tensors())
 
     def state(self) -> dict:
         return {"running": self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,

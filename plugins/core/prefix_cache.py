@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import tensor_bytes
+
 
 @dataclass(eq=False)
 class _Entry:
@@ -76,7 +78,7 @@ class PrefixCache:
             self._lru.move_to_end(held)
             return
         parts = [t.narrow(self.time_dim, 0, len(tokens)) for t in kv]
-        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        nbytes = tensor_bytes(parts)
         if nbytes > self.budget:
             return
         if held is not None and len(held.tokens) == n:
