@@ -1,4 +1,5 @@
 # Two commands: `make compare` (the main job) and `make test`. Both set up .venv first.
+# `make peers` (opt-in) builds llama.cpp for the llama.cpp peer backend (scripts/build_llamacpp.sh).
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test compare bench-hf clean
+.PHONY: setup test compare bench-hf peers clean
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -29,6 +30,10 @@ test: setup
 
 compare: setup
 	$(PY) scripts/compare.py
+
+# Idempotent: the script returns at once when its build is there.
+peers: setup
+	PY=$(CURDIR)/$(PY) scripts/build_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) .cache results checkpoints

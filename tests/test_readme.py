@@ -5,8 +5,8 @@ environment first on PATH (as after `source .venv/bin/activate`). Model names of
 become the tiny configs of the same architecture and `/tmp/mqa` a fresh directory; nothing else of
 a block is changed. A block whose first line is `# not run by the tests` is skipped (the tests' own
 commands, paths of real training runs, half-hour benchmarks); a python block whose first line is
-`# continues the block above` runs after the block before it, in one script. YAML blocks must parse
-as bench configs.
+`# continues the block above` runs after the block before it, in one script; one that starts with
+PEERS below skips when llama.cpp is not built (`make peers`). YAML blocks must parse as bench configs.
 """
 
 import os
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-SKIP, CONTINUES = "# not run by the tests", "# continues the block above"
+SKIP, CONTINUES, PEERS = "# not run by the tests", "# continues the block above", "# after `make peers`"
 SUBSTITUTIONS = [("santacoder-1b-mha", "tiny-mha"), ("santacoder-1b", "tiny")]
 
 
@@ -63,6 +63,8 @@ def test_readme_has_the_blocks_a_user_needs():
 
 @pytest.mark.parametrize("lang, code", blocks())
 def test_readme_block_runs(lang, code, workspace, tmp_path):
+    if code.startswith(PEERS):
+        pytest.importorskip("plugins.peers.llamacpp", exc_type=ImportError)
     code = localize(code, workspace)
     if lang == "yaml":
         from plugins.bench.config import parse_bench_config

@@ -114,6 +114,7 @@ BACKENDS = {
     "deepspeed-autotp": "plugins.deepspeed:AutoTPBackend",
     "megatron": "plugins.megatron:MegatronGPT",
     "ctranslate2": "plugins.peers.ctranslate2:CTranslate2Backend",
+    "llama.cpp": "plugins.peers.llamacpp:LlamaCppBackend",
 }
 
 
