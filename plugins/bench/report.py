@@ -139,6 +139,7 @@ def write_markdown(path: Path, result: dict) -> None:
                   f"the stated factor 1..{summary['factor']:.0f}x. The gap is what the engines leave on the table "
                   f"(framework overhead per step, GEMV kernels below stream bandwidth).", ""]
 
+    lines += quality_markdown(ok)
     pairs = mqa_mha_pairs(rows)
     if pairs:
         lines += ["## MQA vs MHA", ""]
@@ -171,6 +172,30 @@ def write_markdown(path: Path, result: dict) -> None:
               "FLOPs / measured GEMM peak; predicted = max(mem, compute) + comm; MBU / MFU = achieved fraction of "
               "bandwidth / GEMM peak at the measured step time.", ""]
     path.write_text("\n".join(lines))
+
+
+def quality_markdown(ok) -> list[str]:
+    """Held-out perplexity (bench config `perplexity`), greedy agreement with the reference and the
+    speculative rows' acceptance, one line per row; nothing when the run measured none of them."""
+    quality = [r for r in ok if "heldout_ppl" in r or "perplexity_error" in r or (r.get("stats") or {}).get("rounds")]
+    if not quality:
+        return []
+    table = []
+    for r in quality:
+        stats = r.get("stats") or {}
+        accept = stats.get("acceptance_rate")
+        ppl = _fmt(r.get("heldout_ppl"), ".2f") if "perplexity_error" not in r else "failed"
+        table.append([r["model"], r["backend"], r.get("dtype", "—"), r["batch"], r["prompt_len"], ppl,
+                      _fmt(r.get("heldout_nll"), ".3f"), _fmt(r["token_agreement_pct"]),
+                      _fmt(None if accept is None else 100 * accept), _fmt(stats.get("tokens_per_round"), ".2f")])
+    lines = ["## Quality (held-out perplexity, agreement with the reference, speculative acceptance)", ""]
+    lines += _table(["model", "backend", "dtype", "B", "T", "held-out ppl", "NLL nats", "greedy agree %",
+                     "spec accept %", "tokens / round"], table)
+    return lines + ["Held-out ppl = exp(mean next-token NLL) over the same fixed windows of held-out stdlib "
+                    "files (never trained on), teacher-forced through each backend's `logits`; greedy agree % "
+                    "= new tokens equal to the reference row's (the first HF row, fp32 when there is one); "
+                    "spec accept % = drafted tokens the target kept, tokens / round = tokens per target forward.",
+                    ""]
 
 
 # --- noise and the console summary ----------------------------------------------------------------
