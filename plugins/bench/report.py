@@ -230,9 +230,12 @@ def summary(result: dict, out: Path) -> list[str]:
         mine = [r for r in ok if r["model"] == model]
         prompt = max(r["prompt_len"] for r in mine)
         batches = sorted({r["batch"] for r in mine})
-        ref = {r["batch"]: r["decode_ms_median"] for r in mine if r["backend"] == "hf" and r["prompt_len"] == prompt}
+        # the reference row: the first HF one at TP 1 (rows come in run order, the reference first)
+        hf = next((r["backend"] for r in mine if r.get("backend_name", r["backend"]) == "hf"
+                   and r.get("tp_size", 1) == 1), "hf")
+        ref = {r["batch"]: r["decode_ms_median"] for r in mine if r["backend"] == hf and r["prompt_len"] == prompt}
         lines.append(f"{model} ({result['config']['dtype']}, prompt {prompt}): decode ms/step at B = "
-                     f"{' / '.join(map(str, batches))}, and speed-up vs hf")
+                     f"{' / '.join(map(str, batches))}, and speed-up vs {hf}")
         for backend in dict.fromkeys(r["backend"] for r in mine):
             by_b = {r["batch"]: r for r in mine if r["backend"] == backend and r["prompt_len"] == prompt}
             ms = " / ".join(_fmt(by_b[b]["decode_ms_median"]) if b in by_b else "-" for b in batches)
