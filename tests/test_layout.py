@@ -20,6 +20,7 @@ LEVELS = {
     "converters": 2,
     "injection": 2,
     "plugins.hf": 3,
+    "plugins.train": 3,
     "plugins.deepspeed": 4,
     "plugins.megatron": 4,
     "plugins.peers": 4,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from plugins.core.backend import BACKENDS, backend_class, resolve_dtype
-from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, read_yaml
+from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, model_names, read_yaml
 
 from . import roofline
 
@@ -36,6 +36,7 @@ class BackendEntry:
     name: str                        # a key of plugins.backend.BACKENDS
     tp_size: int = 1
     options: dict = field(default_factory=dict)     # passed to load_backend as keyword arguments
+    dtype: str | None = None         # this row's dtype; None: the config's
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class BenchConfig:
     project_models: tuple = ("starcoder-15b",)
     project_context: int = 2048
     project_batches: tuple = (1, 64)
+    perplexity: dict | None = None   # {windows, length}: held-out perplexity per backend (plugins.train)
     name: str = ""
 
 
 _MODEL_KEYS = {"config", "label", "overrides"}
-_BACKEND_KEYS = {"name", "tp_size", "label", "options"}
+_BACKEND_KEYS = {"name", "tp_size", "label", "options", "dtype"}
+_PERPLEXITY_KEYS = {"windows", "length"}
 _BENCH_KEYS = {f.name for f in fields(BenchConfig)} - {"name"}
 
 
@@ -133,7 +136,34 @@ def _backend_entry(raw) -> BackendEntry:
     if not isinstance(options, dict):
         raise ConfigError(f"backends entry {name!r}: options must be a mapping")
     label = raw.get("label") or (name if tp[0] == 1 else f"{name} tp{tp[0]}")
-    return BackendEntry(label=_label("backend", label, _BACKEND_LABEL), name=name, tp_size=tp[0], options=dict(options))
+    dtype = raw.get("dtype")
+    if dtype is not None:
+        resolve_dtype(str(dtype))
+    return BackendEntry(label=_label("backend", label, _BACKEND_LABEL), name=name, tp_size=tp[0],
+                        options=dict(options), dtype=None if dtype is None else str(dtype))
+
+
+def draft_model(options: dict) -> str | None:
+    """The model config a `speculative.draft` option names (resolved to its checkpoint by the grid),
+    or None when it is "int8" or a path the backend reads itself."""
+    spec = options.get("speculative")
+    draft = spec.get("draft") if isinstance(spec, dict) else None
+    if not isinstance(draft, str) or draft == "int8" or Path(draft).is_dir():
+        return None
+    return draft if draft in model_names() or Path(draft).suffix in (".yaml", ".yml") else None
+
+
+def _perplexity(raw) -> dict | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"perplexity must be a mapping {{windows: N, length: T}}, got {raw!r}")
+    _check_keys(raw, _PERPLEXITY_KEYS, "perplexity")
+    out = {"windows": _positive_int("perplexity windows", raw.get("windows", 8)),
+           "length": _positive_int("perplexity length", raw.get("length", 256))}
+    if out["length"] < 2:
+        raise ConfigError("perplexity length must be >= 2 (one predicted token at least)")
+    return out
 
 
 def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
@@ -170,6 +200,7 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
         project_models=_names("project_models", raw.get("project_models", ["starcoder-15b"])),
         project_context=_positive_int("project_context", raw.get("project_context", 2048)),
         project_batches=_positive_ints("project_batches", raw.get("project_batches", [1, 64])),
+        perplexity=_perplexity(raw.get("perplexity")),
         name=name,
     )
     if cfg.new_tokens < 2:
@@ -181,14 +212,23 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
         if longest + cfg.new_tokens > config.n_positions:
             raise ConfigError(f"model {m.label}: prompt length {longest} + new_tokens {cfg.new_tokens} "
                               f"exceeds n_positions {config.n_positions}")
+        if cfg.perplexity and cfg.perplexity["length"] > config.n_positions:
+            raise ConfigError(f"model {m.label}: perplexity length {cfg.perplexity['length']} exceeds "
+                              f"n_positions {config.n_positions}")
         for b in cfg.backends:
             check_tp(config, b.tp_size)
             try:
                 cls = backend_class(b.name)
             except Exception:  # a backend whose library does not import: the run records it as skipped
                 continue
+            options = b.options
+            draft = draft_model(options)
+            if draft is not None:  # its checkpoint is made by the grid: check the config, not a directory
+                if load_model_config(draft).vocab_size != config.vocab_size:
+                    raise ConfigError(f"model {m.label}, backend {b.label}: draft {draft} has another vocab_size")
+                options = {**options, "speculative": {**options["speculative"], "draft": "int8"}}
             try:
-                cls.check_options(config, b.tp_size, **b.options)
+                cls.check_options(config, b.tp_size, **options)
             except ConfigError as e:
                 raise ConfigError(f"model {m.label}, backend {b.label}: {e}") from None
     for hw in cfg.project:

@@ -23,11 +23,12 @@ import torch
 from plugins import kernels
 from plugins.core.backend import backend_class, load_backend, resolve_dtype
 from plugins.core.checkpoint import ensure_checkpoint
-from plugins.core.config import REPO_ROOT, ConfigError
+from plugins.core.config import REPO_ROOT, ConfigError, load_train_spec
 from plugins.core.tokenizer import load_tokenizer, make_batch
+from plugins.train import ensure_trained, perplexity
 
 from . import roofline
-from .config import REFERENCE, BackendEntry, BenchConfig, ModelEntry
+from .config import REFERENCE, BackendEntry, BenchConfig, ModelEntry, draft_model
 from .probes import measure_bandwidth, peak_memory_bytes, release_memory, reset_peak_memory
 from .roofline import Shape
 
@@ -51,7 +52,8 @@ class Reference:
 
 
 def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_hw: roofline.Hardware, batch: int,
-                  prompt: int, input_ids, mask, texts, tok, ref: Reference, is_reference: bool) -> dict:
+                  prompt: int, input_ids, mask, texts, tok, ref: Reference, is_reference: bool,
+                  dtype_name: str | None = None) -> dict:
     """Everything one row reports; raises on failure (the caller records it)."""
     reset_peak_memory()
     k = min(batch, cfg.logit_batch)
@@ -86,12 +88,13 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
     prefill_s = statistics.median(r.prefill_s for r in runs)
     total_s = statistics.median(r.prefill_s + sum(r.step_s) for r in runs)
 
-    dtype = resolve_dtype(cfg.dtype)
+    dtype_name = dtype_name or cfg.dtype
+    dtype = resolve_dtype(dtype_name)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     paths = backend.linear_paths(batch, prompt)
     warning = None
-    if cfg.dtype in kernels.slow_dtypes() and "torch" in paths.values():
-        warning = (f"{cfg.dtype} through torch's own GEMM: this CPU has no fast {cfg.dtype} path for it "
+    if dtype_name in kernels.slow_dtypes() and "torch" in paths.values():
+        warning = (f"{dtype_name} through torch's own GEMM: this CPU has no fast {dtype_name} path for it "
                    "(no oneDNN bf16), expect it slow")
     tp = backend.tp_size
     # The KV layout a backend was asked for (its `kv_layout` option); engines default to "head".
@@ -149,13 +152,31 @@ def profile_backend(backend, input_ids, mask, new_tokens: int, path: Path) -> No
 
 # --- the grid -----------------------------------------------------------------------------------
 
-def checkpoint_for(cfg: BenchConfig, model: ModelEntry) -> Path:
+def _checkpoint_path(cfg: BenchConfig, name: str) -> Path:
     root = Path(cfg.checkpoint_dir)
     root = (root if root.is_absolute() else REPO_ROOT / root).resolve()
-    path = (root / f"{model.label}-seed{cfg.seed}").resolve()
+    path = (root / name).resolve()
     if path.parent != root:  # labels are plain names (config.py); this holds whatever the file system does
-        raise ConfigError(f"model label {model.label!r} leads outside checkpoint_dir {root}")
-    return ensure_checkpoint(model.hf_config(), path, seed=cfg.seed)
+        raise ConfigError(f"model label {name!r} leads outside checkpoint_dir {root}")
+    return path
+
+
+def checkpoint_for(cfg: BenchConfig, model: ModelEntry, progress: bool = True) -> Path:
+    """A config with a `train:` section: its trained checkpoint (trained once, `<label>-trained`);
+    any other: seeded weights (`<label>-seed<seed>`)."""
+    if load_train_spec(model.config, **model.overrides) is not None:
+        return ensure_trained(model.config, _checkpoint_path(cfg, f"{model.label}-trained"), progress,
+                              **model.overrides)
+    return ensure_checkpoint(model.hf_config(), _checkpoint_path(cfg, f"{model.label}-seed{cfg.seed}"), seed=cfg.seed)
+
+
+def resolve_options(cfg: BenchConfig, options: dict) -> dict:
+    """A speculative draft named by its model config becomes that model's checkpoint (made if needed)."""
+    draft = draft_model(options)
+    if draft is None:
+        return options
+    entry = ModelEntry(label=Path(draft).stem, config=draft)
+    return {**options, "speculative": {**options["speculative"], "draft": str(checkpoint_for(cfg, entry))}}
 
 
 def _error(exc: BaseException) -> str:
@@ -172,19 +193,20 @@ def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profi
     batches = {(b, t): make_batch(tok, b, t) for b in cfg.batch_sizes for t in cfg.prompt_lengths}
     texts = {key: tok.decode_batch(ids.tolist()) for key, (ids, _) in batches.items()}
     points = [(b, t) for b in cfg.batch_sizes for t in cfg.prompt_lengths]
-    # HF first: the reference every other backend is checked against.
-    order = sorted(cfg.backends, key=lambda e: not (e.name == REFERENCE and e.tp_size == 1))
+    # HF first (at fp32 when there is one): the reference every other backend is checked against.
+    order = sorted(cfg.backends, key=lambda e: (not (e.name == REFERENCE and e.tp_size == 1),
+                                                resolve_dtype(e.dtype or cfg.dtype) != torch.float32))
     rows, skipped = [], []
     bar = tqdm(total=len(cfg.models) * len(order) * len(points), disable=not progress, unit="point")
     for model in cfg.models:
         config = model.hf_config()
         bar.set_description(f"{model.label}: checkpoint")
-        ckpt = checkpoint_for(cfg, model)
+        ckpt = checkpoint_for(cfg, model, progress)
         ref = Reference()
         for entry in order:
             base = {"model": model.label, "attention": "MQA" if config.multi_query else "MHA",
                     "backend": entry.label, "backend_name": entry.name, "tp_size": entry.tp_size,
-                    "options": entry.options, "dtype": cfg.dtype, "new_tokens": cfg.new_tokens}
+                    "options": entry.options, "dtype": entry.dtype or cfg.dtype, "new_tokens": cfg.new_tokens}
             try:
                 backend_class(entry.name)
             except Exception as exc:  # missing module or a library that fails to import
@@ -209,18 +231,26 @@ def run_backend(entry: BackendEntry, base: dict, ckpt: Path, cfg: BenchConfig, s
     bar.set_description(f"{base['model']} {entry.label}: load")
     t = time.perf_counter()
     try:
-        backend = load_backend(entry.name, ckpt, dtype=cfg.dtype, tp_size=entry.tp_size, **entry.options)
+        options = resolve_options(cfg, entry.options)
+        backend = load_backend(entry.name, ckpt, dtype=base["dtype"], tp_size=entry.tp_size, **options)
     except Exception as exc:
         bar.update(len(batches))
         return [{**base, "batch": b, "prompt_len": p, "error": f"load failed: {_error(exc)}"} for b, p in batches]
     load_s = time.perf_counter() - t
     try:
+        quality = {}
+        if cfg.perplexity:  # once per backend: the same held-out windows through backend.logits
+            bar.set_description(f"{base['model']} {entry.label}: perplexity")
+            try:
+                quality = perplexity(backend, **cfg.perplexity)
+            except Exception as exc:
+                quality = {"perplexity_error": _error(exc)}
         for (b, p), (ids, mask) in batches.items():
             bar.set_description(f"{base['model']} {entry.label} B={b} T={p}")
-            row = {**base, "batch": b, "prompt_len": p, "load_s": load_s, "error": None}
+            row = {**base, "batch": b, "prompt_len": p, "load_s": load_s, "error": None, **quality}
             try:
                 row.update(measure_point(backend, entry.options, cfg, shape, local_hw, b, p, ids, mask,
-                                         texts[(b, p)], tok, ref, is_reference))
+                                         texts[(b, p)], tok, ref, is_reference, base["dtype"]))
             except Exception as exc:  # out-of-memory included: record it, go on with the next point
                 row["error"] = _error(exc)
                 release_memory()

@@ -75,13 +75,18 @@ def init_model(config: GPTBigCodeConfig, seed: int = 0, dtype: torch.dtype = tor
 def save_hf_dir(model: GPTBigCodeForCausalLM, dst: str | Path, force: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` that `from_pretrained` loads."""
     dst = Path(dst)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    with atomic_dir(dst, force=force) as tmp:
+        write_hf_files(model, tmp)
+    return dst
+
+
+def write_hf_files(model: GPTBigCodeForCausalLM, directory: Path) -> None:
+    """`config.json` + `model.safetensors` into an existing directory (callers publish it atomically)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with atomic_dir(dst, force=force) as tmp:
-        model.config.save_pretrained(tmp)
-        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-    return dst
+    model.config.save_pretrained(directory)
+    save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})
 
 
 def create_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0, dtype=torch.float32,

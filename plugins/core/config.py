@@ -72,6 +72,43 @@ class ModelSpec:
 _SPEC_KEYS = {f.name for f in fields(ModelSpec)}
 
 
+@dataclass(frozen=True)
+class TrainSpec:
+    """The `train:` section of a model config: a config with one is trained (plugins.train), not seeded."""
+    steps: int
+    seq_len: int
+    batch: int
+    lr: float
+    warmup: int = 0
+    seed: int = 0
+    min_lr_ratio: float = 0.1     # cosine decay ends at lr * this
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "bf16"       # bf16 autocast (fp32 master weights) or plain fp32
+    checkpoint_every: int = 100   # steps between resumable training states
+    eval_windows: int = 32        # held-out windows of seq_len for the held-out loss
+
+    def __post_init__(self):
+        for name in ("steps", "seq_len", "batch", "warmup", "seed", "checkpoint_every", "eval_windows"):
+            value = getattr(self, name)
+            least = 0 if name in ("warmup", "seed") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"train: {name} must be an integer >= {least}, got {value!r}")
+        for name, lo, hi in (("lr", 0, 1), ("min_lr_ratio", 0, 1), ("weight_decay", 0, 1), ("grad_clip", 0, 1e6)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ConfigError(f"train: {name} must be a number in [{lo}, {hi:g}], got {value!r}")
+        if self.lr == 0:
+            raise ConfigError("train: lr must be > 0")
+        if self.precision not in ("bf16", "fp32"):
+            raise ConfigError(f"train: precision must be bf16 or fp32, got {self.precision!r}")
+        if self.warmup > self.steps:
+            raise ConfigError(f"train: warmup ({self.warmup}) exceeds steps ({self.steps})")
+
+
+_TRAIN_KEYS = {f.name for f in fields(TrainSpec)}
+
+
 def read_yaml(path: Path) -> dict:
     """A YAML file that must hold a mapping (empty file: {}); anything else is one ConfigError."""
     try:
@@ -87,19 +124,54 @@ def model_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))
 
 
-def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
-    """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
+def _model_file(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = MODELS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown model config {str(name_or_path)!r}; known: {', '.join(model_names())}")
+    return path
+
+
+def _train_section(path: Path, raw: dict) -> TrainSpec | None:
+    train = raw.pop("train", None)
+    if train is None:
+        return None
+    if not isinstance(train, dict):
+        raise ConfigError(f"{path.name}: train must be a mapping")
+    unknown = sorted(set(train) - _TRAIN_KEYS)
+    if unknown:
+        raise ConfigError(f"{path.name}: unknown train key(s) {', '.join(unknown)}; "
+                          f"allowed: {', '.join(sorted(_TRAIN_KEYS))}")
+    missing = sorted({"steps", "seq_len", "batch", "lr"} - set(train))
+    if missing:
+        raise ConfigError(f"{path.name}: train needs {', '.join(missing)}")
+    try:
+        return TrainSpec(**train)
+    except ConfigError as e:
+        raise ConfigError(f"{path.name}: {e}") from None
+
+
+def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
+    """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
+    path = _model_file(name_or_path)
     raw = read_yaml(path)
+    train = _train_section(path, raw)
     raw.update(overrides)
     unknown = sorted(set(raw) - _SPEC_KEYS)
     if unknown:
         raise ConfigError(f"{path.name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SPEC_KEYS))}")
-    return ModelSpec(**raw)
+    spec = ModelSpec(**raw)
+    if train is not None and train.seq_len > spec.n_positions:
+        raise ConfigError(f"{path.name}: train seq_len {train.seq_len} exceeds n_positions {spec.n_positions}")
+    return spec
+
+
+def load_train_spec(name_or_path: str | Path, **overrides) -> TrainSpec | None:
+    """The `train:` section of a model config (validated with the model), or None: seeded weights."""
+    load_spec(name_or_path, **overrides)
+    path = _model_file(name_or_path)
+    return _train_section(path, read_yaml(path))
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig:

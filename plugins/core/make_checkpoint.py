@@ -1,15 +1,21 @@
 """Create a seeded HF checkpoint directory from a model config (and time it against HF's own init).
 Run as `mqa-make-checkpoint`, `python -m plugins.core.make_checkpoint` or `scripts/make_checkpoint.py`.
+A config with a `train:` section (code-mqa, code-mha, code-draft) is trained instead (plugins.train,
+minutes, reused when DST already holds that run); `--seeded` gives its shape with seeded weights.
 
   mqa-make-checkpoint santacoder-1b checkpoints/santacoder-1b
   mqa-make-checkpoint tiny /tmp/tiny --seed 3 --dtype bfloat16 --force
   mqa-make-checkpoint santacoder-1b /tmp/sc --compare-hf-init   # also time HF's init
+  mqa-make-checkpoint code-mqa checkpoints/code-mqa-trained       # trains it (~10 min, once)
 """
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+
+TRAINER = "plugins.train"  # ensure_trained(model, dst): what a config with a train section is made by
 
 
 def main(argv=None) -> int:
@@ -20,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights as stored)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing DST")
     ap.add_argument("--compare-hf-init", action="store_true", help="also time GPTBigCodeForCausalLM(config)")
+    ap.add_argument("--seeded", action="store_true", help="seeded weights even for a config with a train section")
     args = ap.parse_args(argv)
 
     from plugins.core.console import quiet_upstream
@@ -27,15 +34,21 @@ def main(argv=None) -> int:
     quiet_upstream()
     from .backend import resolve_dtype
     from .checkpoint import init_model, load_hf_model, save_hf_dir
-    from .config import ConfigError, load_model_config
+    from .config import ConfigError, load_model_config, load_train_spec
 
     try:
         config = load_model_config(args.model)
+        trained = load_train_spec(args.model) is not None and not args.seeded
         dtype = resolve_dtype(args.dtype, "cpu")
     except ConfigError as e:
         ap.error(str(e))
     if args.dst.exists() and not args.force:
         ap.error(f"{args.dst} already exists (use --force)")
+    if trained:
+        # found by name, like the backends: the trainer sits above this layer
+        importlib.import_module(TRAINER).ensure_trained(args.model, args.dst)
+        print(f"{args.model}: trained checkpoint at {args.dst}")
+        return 0
 
     t = time.perf_counter()
     model = init_model(config, seed=args.seed, dtype=dtype)

@@ -1,0 +1,24 @@
+"""Held-out perplexity of any Backend: teacher-forced over fixed windows of held-out stdlib tokens,
+through `backend.logits` only, so every engine and precision is measured by the same code."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .data import heldout_windows
+
+
+def perplexity(backend, windows: int = 8, length: int = 256, chunk: int = 4) -> dict:
+    """exp(mean next-token NLL) over `windows` held-out windows of `length` tokens (no padding)."""
+    ids = heldout_windows(windows, length)
+    total, count = 0.0, 0
+    for i in range(0, len(ids), chunk):
+        part = ids[i:i + chunk]
+        logits = backend.logits(part, torch.ones_like(part)).float()
+        total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), part[:, 1:].flatten(), reduction="sum"))
+        count += part[:, 1:].numel()
+    nll = total / count
+    return {"heldout_ppl": math.exp(nll), "heldout_nll": nll, "heldout_tokens": count}
