@@ -10,11 +10,14 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   this many rows: our decode kernels (one streaming pass over the weight), oneDNN-packed bf16,
   or fp32 where bf16 has no fast GEMM; GELU fused into the first MLP GEMM. fp32 uses `F.linear`
   (bit-for-bit HF's GEMM).
-- int8 weight-only (`quantize_int8`, the backend's `quantize="int8"`): DeepSpeed's own int8
-  convention (an int8 weight tensor carrying `.scale`), computed by `plugins.quant.int8_linear`:
-  our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA).
+- weight-only int8 / int4 (`quantize`, the backend's `quantize="int8" | "int4"`): DeepSpeed's own
+  int8 convention (an int8 weight tensor carrying `.scale`), computed by `plugins.kernels.quant`:
+  our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA); int4
+  as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (torch's CPU int4 kernel),
+  carrying it as `.int4`.
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
-  into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V).
+  into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V). Inside
+  `plugins.kernels.rows_alone()` several tokens are attended one by one, as one-token steps.
 
 With CUDA, DeepSpeed binds its compiled kernels for the GEMMs, layer norms and the fused
 bias-GELU MLP (tanh GELU in the kernel); attention always runs on our cache (DeepSpeed's
@@ -33,7 +36,7 @@ from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp,
 
 from plugins import kernels
 from plugins.kernels import PackedWeights
-from plugins.kernels.quant import int8_linear, quantize_per_channel
+from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
 
 from . import compat
 from .cache import layer_cache
@@ -41,9 +44,12 @@ from .cache import layer_cache
 
 def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     """x @ weight (+ bias) (then tanh GELU), weight stored [in, out] as DeepSpeed keeps it; an int8
-    weight (from `quantize_int8`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants."""
+    weight (from `quantize`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants; an
+    int4 weight is torch's uint8 pack."""
     if weight.dtype == torch.int8:
         return int8_linear(x, weight, weight.scale, bias, gelu)
+    if weight.dtype == torch.uint8:
+        return int4_linear(x, weight.int4, bias, gelu)
     return kernels.linear(x, weight.t(), bias, gelu, packs)
 
 
@@ -95,6 +101,13 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
 
     def forward(self, qkv, mask, kv, heads: int, kv_heads: int, scale: float):
         batch, q_len, _ = qkv.shape
+        if q_len > 1 and kv is not None and kernels.rows_alone_active():
+            # Each query row exactly as a one-token step computes it: appended to the cache on its own,
+            # attending over the keys up to itself with its row of a [B, 1, 1, L] padding mask.
+            start = kv.length
+            rows = [self.forward(qkv[:, t:t + 1], None if mask is None else mask[..., :start + t + 1], kv, heads,
+                                 kv_heads, scale) for t in range(q_len)]
+            return torch.cat(rows, 1)
         head_dim = self.config.hidden_size // self.config.heads
         if kv_heads == 1:
             width = heads * head_dim
@@ -157,20 +170,25 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         DeepSpeed has copied the weights in)."""
         for owner, name in self._linear_weights():
             param = getattr(owner, name)
-            if param.dtype != torch.int8 and not param.t().is_contiguous():
+            if param.is_floating_point() and not param.t().is_contiguous():
                 param.data = param.data.t().contiguous().t()
         self.weights_row_major = True
 
-    def quantize_int8(self) -> None:
-        """int8 weight-only, per-output-channel symmetric scales, for the four linears (in place).
-
-        The bf16/fp32 weights are dropped; biases, layer norms and activations keep their dtype."""
+    def quantize(self, kind: str = "int8") -> None:
+        """Weight-only quantization of the four linears (in place): "int8" (per-output-channel symmetric
+        scales) or "int4" (groups of input channels, CPU only). The bf16/fp32 weights are dropped;
+        biases, layer norms and activations keep their dtype."""
         attn, mlp = self.attention, self.mlp
         for owner, name in self._linear_weights():
             weight = getattr(owner, name)
-            q, scales = quantize_per_channel(weight.t())  # [in, out] -> int8 [out, in]
-            param = nn.Parameter(q, requires_grad=False)
-            param.scale = scales.to(weight.dtype)  # DeepSpeed's op bindings read `weight.scale` as q_scale
+            if kind == "int8":
+                q, scales = quantize_per_channel(weight.t())  # [in, out] -> int8 [out, in]
+                param = nn.Parameter(q, requires_grad=False)
+                param.scale = scales.to(weight.dtype)  # DeepSpeed's op bindings read `weight.scale` as q_scale
+            else:
+                int4 = quantize_int4(weight.t(), weight.dtype)
+                param = nn.Parameter(int4.packed, requires_grad=False)
+                param.int4 = int4
             setattr(owner, name, param)
         # DeepSpeed's compiled kernels (CUDA) expect their own int8 format: route these linears to our fallbacks.
         attn.qkv_func.qkv_gemm_func = attn.qkv_func.qkv_gemm_fallback

@@ -37,7 +37,8 @@ BASE = {"models": ["tiny"], "backends": ["hf"], "batch_sizes": [1], "prompt_leng
     ({"new_tokens": [3, 7]}, "new_tokens must be one integer"),
     ({"models": ["tiny-mha"], "backends": ["hf", {"name": "deepspeed", "tp_size": 2, "options": {"kv_layout": "batch"}}]},
      "model tiny-mha, backend deepspeed tp2: kv_layout='batch' is for multi-query attention"),
-    ({"backends": ["hf", {"name": "deepspeed", "options": {"quantize": "int4"}}]}, "quantize must be"),
+    ({"backends": ["hf", {"name": "deepspeed", "options": {"quantize": "int2"}}]}, "quantize must be"),
+    ({"workload": "chat"}, "workload must be one of code, edit"),
     ({"backends": ["hf", {"name": "hf", "label": "hf2", "options": {"colour": 1}}]}, "unknown option.* colour"),
     ({"models": [{"config": "tiny", "label": "../../victim"}]}, "model label '../../victim' is not a plain name"),
     ({"models": [{"config": "tiny", "label": ".."}]}, "not a plain name"),
@@ -65,6 +66,9 @@ def test_shipped_bench_configs_parse():
     with pytest.raises(ConfigError, match="bench config file 'my.yaml' not found"):
         load_bench_config("my.yaml")
     assert parse_bench_config({**BASE, "project": "h200"}).project == ("h200",)
+    for name in ("speed", "lookup"):
+        assert any("speculative" in b.options for b in load_bench_config(name).backends)
+    assert load_bench_config("lookup").workload == "edit"
 
 
 def test_bad_config_fails_before_any_work(tmp_path):

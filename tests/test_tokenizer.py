@@ -29,3 +29,16 @@ def test_prompts_are_real_code_of_the_requested_length(tokenizer):
     ids, mask = make_batch(tokenizer, 4, 32)
     assert ids.shape == mask.shape == (4, 32) and bool(mask.all())
     assert len({tuple(r.tolist()) for r in ids}) == 4  # different prompts per row
+
+
+def test_edit_prompts_hold_their_answer(tokenizer):
+    from plugins.core.tokenizer import EDIT_HEADER, edit_prompt_ids, make_batch
+
+    ids = edit_prompt_ids(tokenizer, 128, 3)
+    assert len(ids) == 128
+    header = tokenizer.encode(EDIT_HEADER).ids
+    cut = next(i for i in range(128) if ids[i:i + len(header)] == header)
+    code, again = ids[:cut], ids[cut + len(header):]
+    assert 0 < len(again) < len(code) and code[:len(again)] == again  # the rest of `code` is the answer
+    batch, mask = make_batch(tokenizer, 2, 64, "edit")
+    assert batch.shape == (2, 64) and bool(mask.all()) and batch[0].tolist() == edit_prompt_ids(tokenizer, 64, 0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from plugins.core.backend import BACKENDS, backend_class, resolve_dtype
 from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, model_names, read_yaml
+from plugins.core.tokenizer import WORKLOADS
 
 from . import roofline
 
@@ -51,6 +52,7 @@ class BenchConfig:
     cycles: int = 3
     seed: int = 0
     logit_batch: int = 4             # sequences per row whose full logits are compared with HF
+    workload: str = "code"           # prompts: "code" windows, or "edit" (plugins.core.tokenizer.edit_prompt_ids)
     checkpoint_dir: str = "checkpoints"
     project: tuple = ()              # hardware names: an analytical projection appended to results.md
     project_models: tuple = ("starcoder-15b",)
@@ -99,6 +101,12 @@ def _names(key, value) -> tuple:
     if not all(isinstance(v, str) and v for v in values):
         raise ConfigError(f"{key} must be a name or a list of names, got {value!r}")
     return tuple(values)
+
+
+def _choice(key: str, value, allowed: tuple) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def _check_keys(raw: dict, allowed: set, where: str, hint: str = "") -> None:
@@ -195,6 +203,7 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
         cycles=_positive_int("cycles", raw.get("cycles", 3)),
         seed=_positive_int("seed", raw.get("seed", 0), allow_zero=True),
         logit_batch=_positive_int("logit_batch", raw.get("logit_batch", 4)),
+        workload=_choice("workload", raw.get("workload", "code"), WORKLOADS),
         checkpoint_dir=str(raw.get("checkpoint_dir", "checkpoints")),
         project=_names("project", raw.get("project", [])),
         project_models=_names("project_models", raw.get("project_models", ["starcoder-15b"])),

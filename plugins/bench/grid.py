@@ -190,7 +190,7 @@ def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profi
     from tqdm import tqdm
 
     tok = load_tokenizer()
-    batches = {(b, t): make_batch(tok, b, t) for b in cfg.batch_sizes for t in cfg.prompt_lengths}
+    batches = {(b, t): make_batch(tok, b, t, cfg.workload) for b in cfg.batch_sizes for t in cfg.prompt_lengths}
     texts = {key: tok.decode_batch(ids.tolist()) for key, (ids, _) in batches.items()}
     points = [(b, t) for b in cfg.batch_sizes for t in cfg.prompt_lengths]
     # HF first (at fp32 when there is one): the reference every other backend is checked against.

@@ -80,9 +80,27 @@ def left_pad(seqs: list[list[int]], pad_id: int = PAD_ID) -> tuple[torch.Tensor,
     return input_ids, attention_mask
 
 
-def make_batch(tok: Tokenizer, batch_size: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch_size` different real-code prompts of `prompt_len` tokens each (no padding needed)."""
-    return left_pad([prompt_token_ids(tok, prompt_len, i) for i in range(batch_size)])
+EDIT_HEADER = "\n# The same code, rewritten:\n"
+WORKLOADS = ("code", "edit")
+
+
+def edit_prompt_ids(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
+    """A code-editing prompt of exactly `length` tokens: a piece of code, a header asking for it again,
+    and the first half of it again; the answer copies the rest (what prompt-lookup decoding is for)."""
+    header = tok.encode(EDIT_HEADER).ids
+    code_len = (length - len(header)) * 2 // 3
+    if code_len < 2:
+        raise ValueError(f"prompt length {length} is too short for a code-editing prompt")
+    code = prompt_token_ids(tok, code_len, index)
+    return code + header + code[:length - len(header) - code_len]
+
+
+def make_batch(tok: Tokenizer, batch_size: int, prompt_len: int, workload: str = "code") -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """`batch_size` different real-code prompts of `prompt_len` tokens each (no padding needed); workload
+    "edit": code-editing prompts (`edit_prompt_ids`)."""
+    ids = edit_prompt_ids if workload == "edit" else prompt_token_ids
+    return left_pad([ids(tok, prompt_len, i) for i in range(batch_size)])
 
 
 def main(argv=None) -> int:

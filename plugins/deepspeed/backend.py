@@ -6,10 +6,12 @@ The injected model is still an HF causal LM (so logits and prefill are HF's call
 `SingleHeadCache` sized exactly for what is cached: prompt + new tokens - 1. At TP 1 decode steps
 skip HF's model forward (`decoder.InjectedDecoder`).
 
-Speed options (tp_size 1): `quantize="int8"` (int8 weight-only layer linears; `quantize_lm_head=True`
-adds the LM head), `compile=True` (torch.compile of the decode step, eager if that fails),
-`speculative={"k": 4, "draft": "int8" | <HF dir>}` (exact greedy speculative decoding; "int8" drafts
-with the target's own layers in int8).
+Speed options (tp_size 1): `quantize="int8" | "int4"` (weight-only layer linears, int4 on CPU;
+`quantize_lm_head=True` adds the LM head), `compile=True` (torch.compile of the decode step, eager if
+that fails), `speculative={"k": 4, "draft": "int8" | <HF dir> | "prompt-lookup"}` (exact greedy
+speculative decoding; "int8" drafts with the target's own layers in int8, "prompt-lookup" copies
+the k tokens that followed the last match of the trailing `ngram` tokens (default 2) in the prompt
+and the text so far: transformers' `prompt_lookup_num_tokens`, k defaults to 10 there).
 
 tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.core.launcher,
 torchrun or `deepspeed --num_accelerators N`) and returns a RemoteBackend; inside a rank (torch
@@ -28,9 +30,9 @@ from injection import SingleHeadCache, kv_shard
 from plugins import kernels
 from plugins.core.backend import ConfigError, GenerationResult, LocalBackend, check_load, resolve_dtype
 from plugins.core.checkpoint import load_hf_model, read_hf_config
-from plugins.core.speculative import speculative_generate
+from plugins.core.speculative import ModelDraft, PromptLookupDraft, speculative_generate
 from plugins.hf import HFBackend, HFDecoder, PoolDecoder
-from plugins.kernels.quant import Int8Linear
+from plugins.kernels.quant import QUANTIZED
 
 from .decoder import InjectedDecoder
 
@@ -40,13 +42,13 @@ class DeepSpeedBackend(HFBackend):
     fast_decode = True  # TP 1 decode steps through InjectedDecoder (the injected layers, no HF model forward)
 
     def __init__(self, engine, dtype: torch.dtype, device: str = "cpu", tp_size: int = 1, kv_layout: str = "head",
-                 compile: bool = False, draft: DeepSpeedBackend | None = None, speculative_k: int = 0):
+                 compile: bool = False):
         super().__init__(engine.module, dtype, device, tp_size)
         self.engine = engine
         self.kv_layout = kv_layout    # "head": MQA KV replicated per rank; "batch": injection.kv_shard
         self.compile = compile
-        self.draft = draft            # speculative decoding: the draft backend and its k
-        self.speculative_k = speculative_k
+        self.speculative = None       # speculative decoding: the checked options ...
+        self.draft = None             # ... and the draft model's backend (None for prompt lookup)
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None,
@@ -56,6 +58,8 @@ class DeepSpeedBackend(HFBackend):
         """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.core.launcher)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
+        if quantize == "int4" and device != "cpu":
+            raise ConfigError("quantize='int4' runs on CPU (torch's CPU int4 kernel); use 'int8' on CUDA")
         config = read_hf_config(hf_dir)
         check_load(config, tp_size)  # before any rank starts or reads weights
         speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
@@ -85,12 +89,14 @@ class DeepSpeedBackend(HFBackend):
             kv_shard.shard_kv_by_batch(engine.module)
         backend = cls(engine, resolved, device, tp_size, kv_layout, compile)
         if speculative is not None:  # the draft copies the weights before anything is packed or quantized
-            backend.speculative_k = speculative["k"]
-            backend.draft = (backend._int8_copy() if speculative["draft"] == "int8" else
-                             DeepSpeedBackend.from_hf(speculative["draft"], dtype=resolved, device=device,
-                                                      compile=compile))
-        if quantize == "int8":
-            quantize_model(backend.model, quantize_lm_head)
+            backend.speculative = speculative
+            if speculative["draft"] == "int8":
+                backend.draft = backend._int8_copy()
+            elif speculative["draft"] != "prompt-lookup":
+                backend.draft = DeepSpeedBackend.from_hf(speculative["draft"], dtype=resolved, device=device,
+                                                         compile=compile)
+        if quantize is not None:
+            quantize_model(backend.model, quantize, quantize_lm_head)
         return backend
 
     @classmethod
@@ -129,8 +135,10 @@ class DeepSpeedBackend(HFBackend):
         return out
 
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
-        int8 = self.model.transformer.h[0].attention.attn_qkvw.dtype == torch.int8
-        return kernels.paths(self.dtype, batch, prompt_len, int8=int8)
+        weight = self.model.transformer.h[0].attention.attn_qkvw
+        if weight.dtype == torch.uint8:
+            return {"decode": "int4 torch", "prefill": "int4 torch"}
+        return kernels.paths(self.dtype, batch, prompt_len, int8=weight.dtype == torch.int8)
 
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
         if self.kv_layout == "batch":  # each rank caches its ceil(B / tp) sequences
@@ -145,7 +153,7 @@ class DeepSpeedBackend(HFBackend):
         return InjectedDecoder(self.model, cache, self.compile)
 
     def batch_decoder(self, slots: int, capacity: int) -> PoolDecoder:
-        if self.draft is not None:
+        if self.speculative is not None:
             raise ConfigError("continuous batching decodes one token per step: load the backend without "
                               "`speculative` to serve it")
         if self.kv_layout == "batch":
@@ -158,18 +166,21 @@ class DeepSpeedBackend(HFBackend):
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
                  top_p=1.0, seed=0) -> GenerationResult:
-        if self.draft is None or max_new_tokens <= 1:
+        if self.speculative is None or max_new_tokens <= 1:
             return super().generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                     top_p, seed)
         input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
         if do_sample:
             raise ConfigError("speculative decoding here is greedy only: use do_sample=False, "
                               "or load the backend without `speculative`")
-        k = self.speculative_k
+        k = self.speculative["k"]
         # drafted tokens run up to k columns past the last kept one
         length = input_ids.shape[1] + max_new_tokens + k
         target = self.decoder(input_ids.shape[0], length)
-        draft = self.draft.decoder(input_ids.shape[0], length)
+        if self.draft is None:
+            draft = PromptLookupDraft(self.speculative["ngram"])
+        else:
+            draft = ModelDraft(self.draft.decoder(input_ids.shape[0], length))
         result, stats = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens, k=k)
         result.tokens = result.tokens.cpu()
         result.stats = {"k": k, "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate,
@@ -180,40 +191,44 @@ class DeepSpeedBackend(HFBackend):
         """This backend with its layer linears in int8; every other tensor is shared, not copied."""
         shared = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
         model = copy.deepcopy(self.model, memo=shared)
-        quantize_model(model, lm_head=False)
+        quantize_model(model, "int8", lm_head=False)
         draft = copy.copy(self)
-        draft.model, draft.draft = model, None
+        draft.model, draft.draft, draft.speculative = model, None, None
         return draft
 
 
 def check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative) -> dict | None:
     """Validate the speed options before any weights are read; returns `speculative` with defaults."""
-    if quantize not in (None, "int8"):
-        raise ConfigError(f"quantize must be None or 'int8', got {quantize!r}")
+    if quantize not in (None, *QUANTIZED):
+        raise ConfigError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
     if quantize_lm_head and quantize is None:
-        raise ConfigError("quantize_lm_head needs quantize='int8'")
+        raise ConfigError("quantize_lm_head needs quantize='int8' or 'int4'")
     if tp_size > 1 and (quantize or compile or speculative):
         raise ConfigError("quantize, compile and speculative are options of tp_size 1")
     if speculative is None:
         return None
-    if not isinstance(speculative, dict) or set(speculative) - {"k", "draft"}:
-        raise ConfigError(f"speculative must be a mapping with keys k and draft, got {speculative!r}")
-    spec = {"k": 4, "draft": "int8", **speculative}
-    if isinstance(spec["k"], bool) or not isinstance(spec["k"], int) or spec["k"] < 1:
-        raise ConfigError(f"speculative k must be a positive integer, got {spec['k']!r}")
-    if spec["draft"] != "int8":
+    if not isinstance(speculative, dict) or set(speculative) - {"k", "draft", "ngram"}:
+        raise ConfigError(f"speculative must be a mapping with keys k, draft (and ngram), got {speculative!r}")
+    lookup = speculative.get("draft") == "prompt-lookup"
+    if "ngram" in speculative and not lookup:
+        raise ConfigError("speculative ngram is an option of draft='prompt-lookup'")
+    spec = {"k": 10, "ngram": 2, **speculative} if lookup else {"k": 4, "draft": "int8", **speculative}
+    for key in ("k", "ngram"):
+        if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], int) or spec[key] < 1):
+            raise ConfigError(f"speculative {key} must be a positive integer, got {spec[key]!r}")
+    if spec["draft"] not in ("int8", "prompt-lookup"):
         draft = read_hf_config(spec["draft"])  # a checkpoint dir: its own clear error if it is not one
         if draft.vocab_size != config.vocab_size:
             raise ConfigError(f"draft vocab_size {draft.vocab_size} != target vocab_size {config.vocab_size}")
     return spec
 
 
-def quantize_model(model, lm_head: bool = False) -> None:
-    """int8 weight-only linears in every injected layer (and the LM head, untied from wte, if asked)."""
+def quantize_model(model, kind: str, lm_head: bool = False) -> None:
+    """Weight-only `kind` linears in every injected layer (and the LM head, untied from wte, if asked)."""
     for block in model.transformer.h:
-        block.quantize_int8()
+        block.quantize(kind)
     if lm_head:
-        model.lm_head = Int8Linear(model.lm_head)
+        model.lm_head = QUANTIZED[kind](model.lm_head)
 
 
 class AutoTPBackend(DeepSpeedBackend):

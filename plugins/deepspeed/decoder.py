@@ -2,7 +2,8 @@
 
 One-token steps skip HF's model forward (its mask building and checks): embeddings -> the
 injected layers on the preallocated cache -> ln_f -> LM head, the LM head on the same CPU linears
-as the layers (`plugins.kernels`). Prefill and multi-token verification run HF's forward.
+as the layers (`plugins.kernels`). A speculative verify of several tokens takes the same path with
+each token computed as its own step would be; prefill runs HF's forward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from plugins.hf import HFDecoder
-from plugins.kernels import PackedWeights, linear
+from plugins.kernels import PackedWeights, linear, rows_alone
 
 
 class InjectedDecoder(HFDecoder):
@@ -57,9 +58,14 @@ class InjectedDecoder(HFDecoder):
         return self.step(tokens, position_ids, mask)[:, -1]
 
     def forward_tokens(self, tokens, attention_mask, position_ids):
+        """Logits of several new tokens (a speculative verify): every row computed with the arithmetic of
+        a one-token step (row-invariant linears, one attention per token), so the verified tokens are
+        exactly those plain decoding would pick."""
         if tokens.shape[1] == 1:
             return self.decode(tokens, attention_mask, position_ids)[:, None]
-        return super().forward_tokens(tokens, attention_mask, position_ids)
+        mask = attention_mask[:, None, None, :].bool() if self.padded else None
+        with rows_alone():
+            return self._step(tokens, position_ids, mask)
 
 
 def compiled(step, cache):

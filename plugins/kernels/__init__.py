@@ -25,6 +25,7 @@ CPUs has no fast path (seconds per decode step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -193,11 +194,36 @@ class PackedWeights:
         return entry[1]
 
 
+_ROWS_ALONE = False  # plain global, as _PROBE
+
+
+@contextlib.contextmanager
+def rows_alone():
+    """Inside, a CPU linear computes every row with the arithmetic one row gets alone (our kernels are
+    row-invariant: each output takes the same instructions in the same order whatever the row count),
+    so a speculative verify of k + 1 tokens reproduces k + 1 one-token steps bit for bit."""
+    global _ROWS_ALONE
+    before, _ROWS_ALONE = _ROWS_ALONE, True
+    try:
+        yield
+    finally:
+        _ROWS_ALONE = before
+
+
+def rows_alone_active() -> bool:
+    return _ROWS_ALONE
+
+
+def choice_rows(rows: int) -> int:
+    """The row count the probe is asked about: 1 inside `rows_alone()`."""
+    return 1 if _ROWS_ALONE else rows
+
+
 def bf16_choice(x: torch.Tensor) -> str | None:
     """The implementation a bf16 CPU input `x` [..., K] gets; None for other dtypes and devices."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16:
         return None
-    rows = x.numel() // x.shape[-1]
+    rows = choice_rows(x.numel() // x.shape[-1])
     if torch.compiler.is_compiling():  # traceable paths only; inductor packs weights itself
         return "torch" if _PROBE is None or _PROBE.bf16_gemm or rows <= 1 else "fp32"
     return probe().bf16(rows)

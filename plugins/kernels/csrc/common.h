@@ -32,25 +32,37 @@ inline const bf16* vector_ptr(const c10::optional<torch::Tensor>& t, int64_t N, 
   return t->data_ptr<bf16>();
 }
 
-// out[:, n] = epilogue(dots(n)) for every output row n; threads take contiguous runs of n.
-template <typename RowDots>
+// The epilogue of `count` outputs of one input row: out = bf16(gelu?(dot * scale + bias)), in fp32.
+inline void finish_row_scalar(const float* dot, int64_t count, const bf16* scales, const bf16* bias, bool gelu,
+                              bf16* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    float v = dot[i];
+    if (scales) v *= static_cast<float>(scales[i]);
+    if (bias) v += static_cast<float>(bias[i]);
+    if (gelu) v = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    out[i] = bf16(v);
+  }
+}
+
+// out[:, n] = finish(row_dots(n)) for every output row n; threads take contiguous runs of n (one
+// sequential stream each: measured faster than interleaving rows), keep their dots in fp32 and
+// finish each input row's run at once (`finish`: finish_row_scalar's contract).
+template <typename RowDots, typename Finish>
 torch::Tensor for_each_output(const torch::Tensor& x, int64_t N, const bf16* scales, const bf16* bias, bool gelu,
-                              const RowDots& row_dots) {
+                              const RowDots& row_dots, const Finish& finish) {
   const int64_t M = x.size(0);
   auto out = torch::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> dot(M);
+    const int64_t width = end - begin;
+    std::vector<float> dots(M * width), dot(M);
     for (int64_t n = begin; n < end; ++n) {
       row_dots(n, dot.data());
-      for (int64_t m = 0; m < M; ++m) {
-        float v = dot[m];
-        if (scales) v *= static_cast<float>(scales[n]);
-        if (bias) v += static_cast<float>(bias[n]);
-        if (gelu) v = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-        op[m * N + n] = bf16(v);
-      }
+      for (int64_t m = 0; m < M; ++m) dots[m * width + n - begin] = dot[m];
     }
+    for (int64_t m = 0; m < M; ++m)
+      finish(dots.data() + m * width, width, scales ? scales + begin : nullptr, bias ? bias + begin : nullptr, gelu,
+             op + m * N + begin);
   });
   return out;
 }

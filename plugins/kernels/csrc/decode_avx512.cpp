@@ -18,6 +18,44 @@ inline __m512bh load_bf16(const bf16* p, int64_t remaining) {
   return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1), p);  // zero-filled tail
 }
 
+inline __m512 load16_ps(const bf16* p, int64_t remaining) {  // 16 bf16 -> fp32, zero past `remaining`
+  const __mmask16 keep = remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+  const __m256i raw = _mm256_maskz_loadu_epi16(keep, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// finish_row_scalar 16 outputs at a time; tanh(u) = 1 - 2 / (exp(2u) + 1) with exp from 2^n times a
+// degree-6 polynomial on [-0.5, 0.5] (relative error ~1e-7, far below bf16's rounding); each
+// output gets the same instructions wherever it falls, the last partial vector masked.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));  // x / ln 2
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // in [-0.35, 0.35]
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+void finish_row(const float* dot, int64_t count, const bf16* scales, const bf16* bias, bool gelu, bf16* out) {
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 keep = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(keep, dot + i);
+    if (scales) v = _mm512_mul_ps(v, load16_ps(scales + i, count - i));
+    if (bias) v = _mm512_add_ps(v, load16_ps(bias + i, count - i));
+    if (gelu) {
+      const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                     _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), v), _mm512_mul_ps(v, v), v));
+      const __m512 th = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                      _mm512_add_ps(exp_ps(_mm512_add_ps(u, u)), _mm512_set1_ps(1.0f))));
+      v = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), _mm512_add_ps(_mm512_set1_ps(1.0f), th));
+    }
+    _mm256_mask_storeu_epi16(out + i, keep, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+#define FINISH_ROW finish_row
+
 // dot[m] = x[m, :] . w for MT input rows. Two accumulators per row (even / odd 32-element chunks,
 // unrolled so they stay in registers): two dependency chains of vdpbf16ps instead of one.
 template <int MT>
@@ -69,6 +107,8 @@ struct FixedPointRows {
   std::vector<int64_t> sum;    // sum of q per row
 };
 
+// The scalar fixed_point_scale / to_fixed_point (common.h), 16 lanes at a time: the same scale (a max
+// is exact), the same q (one division and a round-to-nearest-even conversion, as std::nearbyint).
 FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
   FixedPointRows f;
   f.K64 = (K + 63) / 64 * 64;
@@ -78,17 +118,30 @@ FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
   f.sum.assign(M, 0);
   for (int64_t m = 0; m < M; ++m) {
     const bf16* row = x + m * K;
-    const float sx = fixed_point_scale(row, K);
-    f.scale[m] = sx;
-    int64_t total = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t q = to_fixed_point(row[k], sx);
-      const int32_t h = (q + 128) >> 8;  // floor: lo = q - 256 h in [-128, 127], |h| <= 125
-      f.hi[m * f.K64 + k] = static_cast<int8_t>(h);
-      f.lo[m * f.K64 + k] = static_cast<int8_t>(q - 256 * h);
-      total += q;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_abs_ps(load16_ps(row + k, K - k));
+      bad |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);  // inf, NaN
+      amax = _mm512_max_ps(amax, v);
     }
-    f.sum[m] = total;
+    const float peak = _mm512_reduce_max_ps(amax);
+    const float sx = bad ? NAN : peak > 0.0f ? peak / 32000.0f : 1.0f;
+    f.scale[m] = sx;
+    if (bad) continue;  // q = 0 for a row holding inf / NaN; its outputs are NaN through sx
+    const __m512 vs = _mm512_set1_ps(sx);
+    __m512i total = _mm512_setzero_si512();
+    int8_t* hi = f.hi.data() + m * f.K64;
+    int8_t* lo = f.lo.data() + m * f.K64;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 keep = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16_ps(row + k, K - k), vs));
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);  // floor
+      _mm512_mask_cvtepi32_storeu_epi8(hi + k, keep, h);
+      _mm512_mask_cvtepi32_storeu_epi8(lo + k, keep, _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8)));
+      total = _mm512_add_epi32(total, q);  // |q| <= 32000: a lane sums K / 16 of them, far from 2^31
+    }
+    f.sum[m] = _mm512_reduce_add_epi32(total);
   }
   return f;
 }

@@ -1,7 +1,12 @@
 // The Python entry points of a decode kernel, included at the end of each ISA's source after it
 // has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)`,
-// `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`.
+// `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`; and
+// may define FINISH_ROW, a vectorized decode::finish_row_scalar.
 #pragma once
+
+#ifndef FINISH_ROW
+#define FINISH_ROW decode::finish_row_scalar
+#endif
 
 namespace {
 
@@ -20,7 +25,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   const decode::bf16* xp = x.data_ptr<decode::bf16>();
   const decode::bf16* wp = weight.data_ptr<decode::bf16>();
   return decode::for_each_output(x, weight.size(0), nullptr, decode::vector_ptr(bias, weight.size(0), "bias"), gelu,
-                                 [&](int64_t n, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); });
+                                 [&](int64_t n, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); }, FINISH_ROW);
 }
 
 // x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
@@ -31,7 +36,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<decode::bf16>(), M, K);  // once, read by every weight row
   const int8_t* wp = weight.data_ptr<int8_t>();
   return decode::for_each_output(x, N, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"),
-                                 gelu, [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); });
+                                 gelu, [&](int64_t n, float* dot) { row_int8(f, wp + n * K, M, K, dot); }, FINISH_ROW);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
