@@ -9,7 +9,14 @@ from plugins.core.backend import ConfigError, load_backend, position_ids
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.deepspeed.decoder import InjectedDecoder, compiled
 
-INT8_WEIGHTS = (("attention", "attn_qkvw"), ("attention", "attn_ow"), ("mlp", "inter_w"), ("mlp", "output_w"))
+LINEAR_WEIGHTS = (("attention", "attn_qkvw"), ("attention", "attn_ow"), ("mlp", "inter_w"), ("mlp", "output_w"))
+
+
+def linear_pairs(ref, quantized):
+    """(reference weight, quantized weight) of the four linears of every injected layer."""
+    for ref_layer, q_layer in zip(ref.model.transformer.h, quantized.model.transformer.h):
+        for owner, attr in LINEAR_WEIGHTS:
+            yield getattr(getattr(ref_layer, owner), attr), getattr(getattr(q_layer, owner), attr)
 
 
 def test_injected_decoder_matches_hf_forward_and_rolls_back_in_place(tiny_dir, padded_batch):
@@ -42,12 +49,10 @@ def test_deepspeed_int8_agrees_with_bf16_and_halves_linear_bytes(name, ckpt_fact
     ref = load_backend("deepspeed", path, dtype="bfloat16")
     q = load_backend("deepspeed", path, dtype="bfloat16", quantize="int8", quantize_lm_head=True)
     ref_bytes = q_bytes = 0
-    for ref_layer, q_layer in zip(ref.model.transformer.h, q.model.transformer.h):
-        for owner, attr in INT8_WEIGHTS:
-            w, qw = getattr(getattr(ref_layer, owner), attr), getattr(getattr(q_layer, owner), attr)
-            assert qw.dtype == torch.int8 and qw.shape == w.t().shape and qw.scale.shape == (w.shape[1],)
-            ref_bytes += w.numel() * w.element_size()
-            q_bytes += qw.numel() * qw.element_size() + qw.scale.numel() * qw.scale.element_size()
+    for w, qw in linear_pairs(ref, q):
+        assert qw.dtype == torch.int8 and qw.shape == w.t().shape and qw.scale.shape == (w.shape[1],)
+        ref_bytes += w.numel() * w.element_size()
+        q_bytes += qw.numel() * qw.element_size() + qw.scale.numel() * qw.scale.element_size()
     assert 0.45 < q_bytes / ref_bytes < 0.56
     assert q.model.lm_head.weight_int8.dtype == torch.int8
     a, b = ref.generate(ids, mask, 32), q.generate(ids, mask, 32)
@@ -64,10 +69,8 @@ def test_deepspeed_int4_runs_the_quantized_linears_and_stays_close(name, ckpt_fa
     path = ckpt_factory(name)
     ref = load_backend("deepspeed", path, dtype="bfloat16")
     q = load_backend("deepspeed", path, dtype="bfloat16", quantize="int4", quantize_lm_head=True)
-    for ref_layer, q_layer in zip(ref.model.transformer.h, q.model.transformer.h):
-        for owner, attr in INT8_WEIGHTS:
-            w, qw = getattr(getattr(ref_layer, owner), attr), getattr(getattr(q_layer, owner), attr)
-            assert qw.dtype == torch.uint8 and qw.int4.shape == tuple(w.t().shape)
+    for w, qw in linear_pairs(ref, q):
+        assert qw.dtype == torch.uint8 and qw.int4.shape == tuple(w.t().shape)
     assert q.model.lm_head.weight_int4.shape == tuple(ref.model.lm_head.weight.shape)
     res = q.generate(ids, mask, 16)
     assert res.tokens.shape == (ids.shape[0], ids.shape[1] + 16) and torch.equal(res.tokens[:, :ids.shape[1]], ids)

@@ -1,2 +1,40 @@
 """Engines a user would pick instead of ours, behind the same Backend protocol, converted from our
 checkpoints by each project's own converter: CTranslate2 (ctranslate2.py), llama.cpp (llamacpp.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from plugins.core.tokenizer import TOKENIZER_FILE
+
+EOS = "<|endoftext|>"
+
+
+@contextlib.contextmanager
+def staged_checkpoint(hf_dir: Path, tmp: Path):
+    """Our checkpoint as other projects' HF converters read it, in `tmp / "hf"` (removed afterwards):
+    its files symlinked, plus what they read and our checkpoints do not write: config.json's
+    `architectures` (their model class), tokenizer.json (their vocabulary, through AutoTokenizer) and
+    named special tokens (else bos / eos are written as null)."""
+    staged = tmp / "hf"
+    staged.mkdir()
+    try:
+        for f in Path(hf_dir).iterdir():
+            if f.is_file() and f.name != "config.json":
+                os.symlink(f.resolve(), staged / f.name)
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        config.setdefault("architectures", ["GPTBigCodeForCausalLM"])
+        (staged / "config.json").write_text(json.dumps(config))
+        if not (staged / "tokenizer.json").exists():
+            os.symlink(TOKENIZER_FILE, staged / "tokenizer.json")
+        if not (staged / "tokenizer_config.json").exists():
+            (staged / "tokenizer_config.json").write_text(json.dumps(
+                {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}))
+        yield staged
+    finally:
+        for f in staged.iterdir():
+            f.unlink()
+        staged.rmdir()

@@ -11,7 +11,6 @@ sampler cannot be seeded from Python.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,11 +20,11 @@ from plugins.core.atomic import atomic_dir
 from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import ConfigError
-from plugins.core.tokenizer import TOKENIZER_FILE
+
+from . import staged_checkpoint
 
 COMPUTE_TYPES = {"float32": "float32", "fp32": "float32", "int8": "int8_float32", "int8_float32": "int8_float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "int8_bfloat16": "int8_bfloat16"}
-EOS = "<|endoftext|>"
 
 
 def converted_dir(hf_dir: Path, weights: str) -> Path:
@@ -40,26 +39,11 @@ def convert(hf_dir: Path, weights: str = "float32") -> Path:
         return dst
     from ctranslate2.converters import TransformersConverter
 
-    with atomic_dir(dst) as tmp:
-        # The converter reads the vocabulary with AutoTokenizer: it needs tokenizer files in the model
-        # directory, and special tokens named, or it writes bos/eos as null and the Generator refuses them.
-        staged = tmp / "hf"
-        staged.mkdir()
-        for f in Path(hf_dir).iterdir():
-            if f.is_file():
-                os.symlink(f.resolve(), staged / f.name)
-        if not (staged / "tokenizer.json").exists():
-            os.symlink(TOKENIZER_FILE, staged / "tokenizer.json")
-        if not (staged / "tokenizer_config.json").exists():
-            (staged / "tokenizer_config.json").write_text(json.dumps(
-                {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}))
+    with atomic_dir(dst) as tmp, staged_checkpoint(hf_dir, tmp) as staged:
         TransformersConverter(str(staged)).convert(str(tmp / "model"), quantization=weights, force=True)
         for f in (tmp / "model").iterdir():
             f.rename(tmp / f.name)
         (tmp / "model").rmdir()
-        for f in staged.iterdir():
-            f.unlink()
-        staged.rmdir()
     return dst
 
 

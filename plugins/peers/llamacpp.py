@@ -10,7 +10,6 @@ prompt at positions 0..n-1), then one token per row per llama_decode. Greedy onl
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -24,7 +23,8 @@ from plugins.core.atomic import atomic_dir
 from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import REPO_ROOT, ConfigError
-from plugins.core.tokenizer import TOKENIZER_FILE
+
+from . import staged_checkpoint
 
 # weights -> (converter --outtype, libllama ftype to quantize to after it or None)
 WEIGHTS = {"f32": ("f32", None), "f16": ("f16", None), "bf16": ("bf16", None), "q8_0": ("q8_0", None),
@@ -96,19 +96,7 @@ def convert(hf_dir: Path, weights: str, threads: int) -> Path:
     if dst.is_file():
         return dst
     outtype, ftype = WEIGHTS[weights]
-    with atomic_dir(dst.parent) as tmp:
-        # The converter reads the vocabulary with AutoTokenizer from the model directory, and picks its
-        # model class by config.json's `architectures`, which our checkpoints do not write.
-        staged = tmp / "hf"
-        staged.mkdir()
-        for f in Path(hf_dir).iterdir():
-            if f.is_file() and f.name != "config.json":
-                os.symlink(f.resolve(), staged / f.name)
-        hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
-        hf_config.setdefault("architectures", ["GPTBigCodeForCausalLM"])
-        (staged / "config.json").write_text(json.dumps(hf_config))
-        if not (staged / "tokenizer.json").exists():
-            os.symlink(TOKENIZER_FILE, staged / "tokenizer.json")
+    with atomic_dir(dst.parent) as tmp, staged_checkpoint(hf_dir, tmp) as staged:
         out = tmp / ("model.gguf" if ftype is None else "f32.gguf")
         proc = subprocess.run([sys.executable, "-c", CONVERT, str(build_dir() / "src" / "vendor" / "llama.cpp"),
                                str(staged), "--outfile", str(out), "--outtype", outtype],
@@ -121,9 +109,6 @@ def convert(hf_dir: Path, weights: str, threads: int) -> Path:
             if llama_cpp.llama_model_quantize(str(out).encode(), str(tmp / "model.gguf").encode(), params) != 0:
                 raise RuntimeError(f"llama.cpp could not quantize {out} to {weights}")
             out.unlink()
-        for f in staged.iterdir():
-            f.unlink()
-        staged.rmdir()
     return dst
 
 
