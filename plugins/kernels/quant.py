@@ -88,9 +88,6 @@ class Int4Weight:
     packed: torch.Tensor
     scale_zeros: torch.Tensor
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zeros))
-
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (q [N, G, INT4_GROUP] uint8 in 0..15, scales [N, G], offsets [N, G]): per group,
@@ -118,8 +115,11 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, gelu:
     """F.linear with an Int4Weight (then tanh GELU if asked), by torch's CPU int4 kernel: any rows (its
     rows are computed alike whatever their number: measured bit-identical here)."""
     shape, (n, k) = x.shape, w.shape
-    x2 = F.pad(x.reshape(-1, k), (0, w.scale_zeros.shape[0] * INT4_GROUP - k)).to(w.scale_zeros.dtype)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, INT4_GROUP, w.scale_zeros)
+    x2, padded = x.reshape(-1, k), w.scale_zeros.shape[0] * INT4_GROUP
+    if padded != k:  # a K that is not a whole number of groups (never santacoder's): zero inputs
+        x2 = F.pad(x2, (0, padded - k))
+    x2 = x2.to(w.scale_zeros.dtype).contiguous()
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w.packed, INT4_GROUP, w.scale_zeros)
     out = out[:, :n].to(x.dtype)
     if bias is not None:
         out = out + bias
