@@ -7,6 +7,7 @@ head. In both cases megatron's `linear_qkv` rows per group are `[q heads | k | v
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from functools import partial
@@ -124,6 +125,13 @@ def load_rank_state(model, state: dict, what: str = "weights") -> None:
         raise ConfigError(f"{what} do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_parallel(tp_size: int, timeout_s: float = 300.0) -> int:
     """torch.distributed (gloo) + megatron parallel_state for TP = world size; returns the rank.
 
@@ -140,6 +148,10 @@ def init_parallel(tp_size: int, timeout_s: float = 300.0) -> int:
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timedelta(seconds=timeout_s))
+        # The group is ours: torn down before the interpreter exits, not by static destructors (a rank
+        # whose gloo threads were still joinable then aborted: "terminate called without an active
+        # exception", exit -6, about 1 run in 7 of a two-rank torchrun script here).
+        atexit.register(_destroy_group)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
