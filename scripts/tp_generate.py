@@ -39,12 +39,13 @@ def main() -> int:
     from plugins.core.backend import DTYPES
     from plugins.core.checkpoint import load_hf_model
     from plugins.core.console import quiet_upstream
-    from plugins.core.tokenizer import load_tokenizer, make_batch
+    from plugins.core.tokenizer import checkpoint_tokenizer, make_batch
 
     quiet_upstream()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     dtype = DTYPES[args.dtype]
-    input_ids, mask = make_batch(load_tokenizer(), batch_size=args.batch, prompt_len=args.prompt_len)
+    tok, _ = checkpoint_tokenizer(args.checkpoint)  # the model's own vocabulary (trained ones have a small one)
+    input_ids, mask = make_batch(tok, batch_size=args.batch, prompt_len=args.prompt_len)
     if args.engine == "megatron":
         from plugins.megatron import MegatronGPT
 

@@ -4,7 +4,8 @@
 import pytest
 
 from plugins.core.config import load_model_config
-from plugins.core.tokenizer import PROMPTS_FILE, VOCAB_SIZE, make_batch, prompt_token_ids, train_tokenizer
+from plugins.core.tokenizer import (PROMPTS_FILE, SPECIAL_TOKENS, TOKENIZERS, VOCAB_SIZE, load_tokenizer, make_batch,
+                                    prompt_token_ids, train_tokenizer)
 
 
 def test_tokenizer_is_real_bpe_sized_to_the_configs(tokenizer):
@@ -16,9 +17,19 @@ def test_tokenizer_is_real_bpe_sized_to_the_configs(tokenizer):
     assert tokenizer.token_to_id("<|endoftext|>") == 0
 
 
+def test_every_shipped_tokenizer_has_its_size_and_the_special_tokens():
+    text = "def add(a, b):\n    return a + b\n"
+    for name, (path, size) in TOKENIZERS.items():
+        tok = load_tokenizer(name)
+        assert path.is_file() and tok.get_vocab_size() == size
+        assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+        assert tok.decode(tok.encode(text).ids) == text and len(tok.encode(text).ids) < len(text) / 2
+
+
 @pytest.mark.slow
-def test_tokenizer_training_is_deterministic(tokenizer):
-    assert train_tokenizer().to_str() == tokenizer.to_str()
+def test_tokenizer_training_is_deterministic():
+    for name, (_, size) in TOKENIZERS.items():  # what `python -m plugins.core.tokenizer --check` does
+        assert train_tokenizer(size).to_str() == load_tokenizer(name).to_str(), name
 
 
 def test_prompts_are_real_code_of_the_requested_length(tokenizer):

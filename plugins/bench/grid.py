@@ -24,7 +24,7 @@ from plugins import kernels
 from plugins.core.backend import backend_class, load_backend, resolve_dtype
 from plugins.core.checkpoint import ensure_checkpoint
 from plugins.core.config import REPO_ROOT, ConfigError, load_train_spec
-from plugins.core.tokenizer import load_tokenizer, make_batch
+from plugins.core.tokenizer import checkpoint_tokenizer, make_batch
 from plugins.train import ensure_trained, perplexity
 
 from . import roofline
@@ -189,9 +189,6 @@ def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profi
     """Rows (one per model x backend x batch x prompt length) and skipped backends."""
     from tqdm import tqdm
 
-    tok = load_tokenizer()
-    batches = {(b, t): make_batch(tok, b, t, cfg.workload) for b in cfg.batch_sizes for t in cfg.prompt_lengths}
-    texts = {key: tok.decode_batch(ids.tolist()) for key, (ids, _) in batches.items()}
     points = [(b, t) for b in cfg.batch_sizes for t in cfg.prompt_lengths]
     # HF first (at fp32 when there is one): the reference every other backend is checked against.
     order = sorted(cfg.backends, key=lambda e: (not (e.name == REFERENCE and e.tp_size == 1),
@@ -202,6 +199,10 @@ def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profi
         config = model.hf_config()
         bar.set_description(f"{model.label}: checkpoint")
         ckpt = checkpoint_for(cfg, model, progress)
+        # the model's own tokenizer (a trained model may have a smaller one): prompts, texts, perplexity
+        tok, _ = checkpoint_tokenizer(ckpt)
+        batches = {(b, t): make_batch(tok, b, t, cfg.workload) for b in cfg.batch_sizes for t in cfg.prompt_lengths}
+        texts = {key: tok.decode_batch(ids.tolist()) for key, (ids, _) in batches.items()}
         ref = Reference()
         for entry in order:
             base = {"model": model.label, "attention": "MQA" if config.multi_query else "MHA",
@@ -242,7 +243,7 @@ def run_backend(entry: BackendEntry, base: dict, ckpt: Path, cfg: BenchConfig, s
         if cfg.perplexity:  # once per backend: the same held-out windows through backend.logits
             bar.set_description(f"{base['model']} {entry.label}: perplexity")
             try:
-                quality = perplexity(backend, **cfg.perplexity)
+                quality = perplexity(backend, **cfg.perplexity, tok=tok)
             except Exception as exc:
                 quality = {"perplexity_error": _error(exc)}
         for (b, p), (ids, mask) in batches.items():

@@ -2,7 +2,9 @@
 
 A config file names only the architecture; everything else takes GPTBigCodeConfig's defaults
 (tied embeddings, scaled attention, fp32 softmax). Unknown keys are an error, so a typo never
-silently falls back to a default.
+silently falls back to a default. Two keys are not HF's: `train:` (the model is trained here,
+`load_train_spec`) and `tokenizer:` (a name from plugins.core.tokenizer.TOKENIZERS, default the
+project's 49152-token one; `load_tokenizer_name`).
 """
 
 from __future__ import annotations
@@ -152,16 +154,32 @@ def _train_section(path: Path, raw: dict) -> TrainSpec | None:
         raise ConfigError(f"{path.name}: {e}") from None
 
 
+def _tokenizer_key(path: Path, raw: dict) -> str:
+    from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
+
+    name = raw.pop("tokenizer", DEFAULT_TOKENIZER)
+    if name not in TOKENIZERS:
+        raise ConfigError(f"{path.name}: unknown tokenizer {name!r}; known: {', '.join(TOKENIZERS)}")
+    return name
+
+
 def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
     """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
+    from .tokenizer import TOKENIZERS
+
     path = _model_file(name_or_path)
     raw = read_yaml(path)
     train = _train_section(path, raw)
+    tokenizer = _tokenizer_key(path, raw)
     raw.update(overrides)
     unknown = sorted(set(raw) - _SPEC_KEYS)
     if unknown:
         raise ConfigError(f"{path.name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SPEC_KEYS))}")
     spec = ModelSpec(**raw)
+    size = TOKENIZERS[tokenizer][1]
+    if size > spec.vocab_size:
+        raise ConfigError(f"{path.name}: tokenizer {tokenizer} has {size} tokens but vocab_size is "
+                          f"{spec.vocab_size}: token ids would index past the embedding")
     if train is not None and train.seq_len > spec.n_positions:
         raise ConfigError(f"{path.name}: train seq_len {train.seq_len} exceeds n_positions {spec.n_positions}")
     return spec
@@ -172,6 +190,13 @@ def load_train_spec(name_or_path: str | Path, **overrides) -> TrainSpec | None:
     load_spec(name_or_path, **overrides)
     path = _model_file(name_or_path)
     return _train_section(path, read_yaml(path))
+
+
+def load_tokenizer_name(name_or_path: str | Path, **overrides) -> str:
+    """The tokenizer a model config is built for (validated with the model)."""
+    load_spec(name_or_path, **overrides)
+    path = _model_file(name_or_path)
+    return _tokenizer_key(path, read_yaml(path))
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig:

@@ -1,8 +1,11 @@
 """A real byte-level BPE tokenizer and real code prompts, with no download.
 
-The tokenizer is trained with the `tokenizers` library on the Python standard library sources of
-this interpreter (present on every machine), and shipped as `configs/tokenizer/tokenizer.json`.
-`python -m plugins.core.tokenizer --check` retrains it and asserts the result is identical.
+The tokenizers are trained with the `tokenizers` library on the Python standard library sources of
+this interpreter (present on every machine) and shipped under `configs/tokenizer/`: the project's
+49152-token one (`code-49k`, `tokenizer.json`, what every config without a `tokenizer:` key uses) and
+a smaller one for the models trained here (`code-8k`, `code-8k/tokenizer.json`: at width 256 a
+49152-row LM head is most of the training compute). `python -m plugins.core.tokenizer --check`
+retrains both and asserts the results are identical to the shipped files.
 Prompts are windows of exactly the requested token length cut from `configs/prompts/code.py.txt`,
 a fixed file of real code, so benchmark inputs do not change when the machine does.
 """
@@ -22,6 +25,12 @@ from .config import CONFIGS_DIR
 TOKENIZER_FILE = CONFIGS_DIR / "tokenizer" / "tokenizer.json"
 PROMPTS_FILE = CONFIGS_DIR / "prompts" / "code.py.txt"
 VOCAB_SIZE = 49152
+DEFAULT_TOKENIZER = "code-49k"
+# name -> (shipped file, vocabulary size); the same recipe and special tokens, only the size differs
+TOKENIZERS = {
+    DEFAULT_TOKENIZER: (TOKENIZER_FILE, VOCAB_SIZE),
+    "code-8k": (CONFIGS_DIR / "tokenizer" / "code-8k" / "tokenizer.json", 8192),
+}
 # SantaCoder's special tokens, so ids 0.. are the same kind of thing as upstream.
 SPECIAL_TOKENS = ["<|endoftext|>", "<fim-prefix>", "<fim-middle>", "<fim-suffix>", "<fim-pad>"]
 EOS_ID = 0
@@ -45,17 +54,44 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     return tok
 
 
-def load_tokenizer() -> Tokenizer:
-    if not TOKENIZER_FILE.is_file():
-        raise FileNotFoundError(f"{TOKENIZER_FILE} is missing: run `python -m plugins.core.tokenizer --write`")
-    return Tokenizer.from_file(str(TOKENIZER_FILE))
+def tokenizer_file(name: str = DEFAULT_TOKENIZER) -> Path:
+    if name not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {name!r}; known: {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[name][0]
+
+
+def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> Tokenizer:
+    path = tokenizer_file(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `python -m plugins.core.tokenizer --write`")
+    return Tokenizer.from_file(str(path))
 
 
 def checkpoint_tokenizer(checkpoint_dir: str | Path) -> tuple[Tokenizer, Path]:
-    """A checkpoint's own `tokenizer.json`, else the project's (what our checkpoints are built for)."""
+    """A checkpoint's own `tokenizer.json`, else the project's (what our seeded checkpoints are built
+    for). One ValueError when its ids do not fit the checkpoint's vocab_size."""
     own = Path(checkpoint_dir) / "tokenizer.json"
     path = own if own.is_file() else TOKENIZER_FILE
-    return Tokenizer.from_file(str(path)), path
+    tok = Tokenizer.from_file(str(path))
+    check_vocab(tok.get_vocab_size(), _config_vocab(checkpoint_dir), f"{checkpoint_dir} with {path}")
+    return tok, path
+
+
+def _config_vocab(checkpoint_dir: str | Path) -> int | None:
+    import json
+
+    try:
+        return json.loads((Path(checkpoint_dir) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+
+
+def check_vocab(tokenizer_size: int, vocab_size: int | None, where: str) -> None:
+    """A tokenizer fits a model when each of its ids has an embedding row (seeded configs may have
+    more rows than tokens, like SantaCoder's padded 49280)."""
+    if vocab_size is not None and tokenizer_size > vocab_size:
+        raise ValueError(f"{where}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+                         f"{vocab_size}: token ids would index past the embedding")
 
 
 def prompt_token_ids(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
@@ -105,21 +141,25 @@ def make_batch(tok: Tokenizer, batch_size: int, prompt_len: int, workload: str =
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", action="store_true", help="train and write configs/tokenizer/tokenizer.json")
-    ap.add_argument("--check", action="store_true", help="retrain and check the shipped file is identical")
+    ap.add_argument("--write", action="store_true", help="train and write every tokenizer under configs/tokenizer/")
+    ap.add_argument("--check", action="store_true", help="retrain and check the shipped files are identical")
+    ap.add_argument("--only", choices=sorted(TOKENIZERS), help="just this tokenizer")
     args = ap.parse_args(argv)
-    tok = train_tokenizer()
-    if args.write:
-        TOKENIZER_FILE.parent.mkdir(parents=True, exist_ok=True)
-        tmp = TOKENIZER_FILE.with_suffix(".tmp")
-        tok.save(str(tmp))
-        tmp.replace(TOKENIZER_FILE)
-        print(f"wrote {TOKENIZER_FILE} ({tok.get_vocab_size()} tokens)")
-    if args.check:
-        same = tok.to_str() == load_tokenizer().to_str()
-        print("tokenizer identical" if same else "tokenizer DIFFERS from the shipped file")
-        return 0 if same else 1
-    return 0
+    differ = 0
+    for name in [args.only] if args.only else TOKENIZERS:
+        path, size = TOKENIZERS[name]
+        tok = train_tokenizer(size)
+        if args.write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tok.save(str(tmp))
+            tmp.replace(path)
+            print(f"wrote {path} ({tok.get_vocab_size()} tokens)")
+        if args.check:
+            same = tok.to_str() == load_tokenizer(name).to_str()
+            print(f"{name}: tokenizer identical" if same else f"{name}: tokenizer DIFFERS from {path}")
+            differ += not same
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

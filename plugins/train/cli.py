@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     quiet_upstream()
     import torch
 
-    from plugins.core.config import REPO_ROOT, ConfigError, load_model_config, load_train_spec
+    from plugins.core.config import REPO_ROOT, ConfigError, load_model_config, load_tokenizer_name, load_train_spec
 
     from .loop import LOG_FILE, PLOT_FILE, train
 
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     try:
         config = load_model_config(args.model)
         spec = load_train_spec(args.model)
+        tokenizer = load_tokenizer_name(args.model)
         if spec is None:
             raise ConfigError(f"{args.model} has no train section (seeded models: mqa-make-checkpoint)")
         if args.steps is not None:
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     if out.exists() and not args.force:
         ap.error(f"{out} already exists (use --force)")
     torch.set_num_threads(args.threads)
-    log = train(config, spec, out, name=name, force=args.force, progress=not args.no_progress)
+    log = train(config, spec, out, name=name, force=args.force, progress=not args.no_progress, tokenizer=tokenizer)
     log_dir = args.log_dir or REPO_ROOT / "results" / "quality-train"
     log_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out / LOG_FILE, log_dir / f"{name}.json")

@@ -3,9 +3,10 @@
 A file is held out when a hash of its path relative to the stdlib root falls in the first
 HELDOUT_PERMILLE of 1000 buckets: the same files on every machine with the same Python, whatever
 order they are listed in, and never a file cut in two. Each split is one token stream: every file's
-tokens followed by <|endoftext|>. Training windows are non-overlapping slices of seq_len + 1 tokens
-of the train stream, visited in a seeded permutation per epoch; the position in that order (epoch,
-index) is all a resumed run needs to continue exactly.
+tokens, cut with the tokenizer of the model at hand (cached per tokenizer), followed by <|endoftext|>.
+Training windows are non-overlapping slices of seq_len + 1 tokens of the train stream, visited in a
+seeded permutation per epoch; the position in that order (epoch, index) is all a resumed run needs
+to continue exactly.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import math
 import sysconfig
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from plugins.core.tokenizer import EOS_ID, load_tokenizer, training_files
 
@@ -41,23 +42,32 @@ def split_files() -> tuple[list[str], list[str]]:
     return [f for f in files if f not in held_set], held
 
 
-@lru_cache(maxsize=2)
-def token_stream(split: str) -> torch.Tensor:
-    """Every file of the split, tokenized, each followed by <|endoftext|>: one int64 tensor."""
+_STREAMS: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def token_stream(split: str, tok: Tokenizer | None = None) -> torch.Tensor:
+    """Every file of the split, tokenized with `tok` (default: the project's tokenizer), each followed
+    by <|endoftext|>: one int64 tensor, cached per split and tokenizer content."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    files = split_files()[0 if split == "train" else 1]
-    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
-    ids = []
-    for enc in load_tokenizer().encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(EOS_ID)
-    return torch.tensor(ids, dtype=torch.long)
+    tok = tok or load_tokenizer()
+    key = (split, hashlib.sha256(tok.to_str().encode()).hexdigest())
+    if key not in _STREAMS:
+        files = split_files()[0 if split == "train" else 1]
+        texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+        ids = []
+        for enc in tok.encode_batch(texts):
+            ids.extend(enc.ids)
+            ids.append(EOS_ID)
+        if len(_STREAMS) >= 4:  # two tokenizers' splits at most: the train split is ~10M tokens
+            _STREAMS.pop(next(iter(_STREAMS)))
+        _STREAMS[key] = torch.tensor(ids, dtype=torch.long)
+    return _STREAMS[key]
 
 
-def heldout_windows(count: int, length: int) -> torch.Tensor:
+def heldout_windows(count: int, length: int, tok: Tokenizer | None = None) -> torch.Tensor:
     """`count` fixed windows of `length` held-out tokens, spread evenly over the held-out stream."""
-    stream = token_stream("heldout")
+    stream = token_stream("heldout", tok)
     if count < 1 or length < 2:
         raise ValueError(f"need count >= 1 and length >= 2, got {count} windows of {length}")
     if length > len(stream):
@@ -67,10 +77,10 @@ def heldout_windows(count: int, length: int) -> torch.Tensor:
     return torch.stack([stream[s:s + length] for s in starts])
 
 
-def unigram_baseline() -> dict:
+def unigram_baseline(tok: Tokenizer | None = None) -> dict:
     """Cross-entropy (nats/token) of held-out tokens under the train split's unigram distribution
     (add-one smoothed, so unseen tokens cost a finite amount): the loss a model that ignores context gets."""
-    train, held = token_stream("train"), token_stream("heldout")
+    train, held = token_stream("train", tok), token_stream("heldout", tok)
     counts = torch.bincount(train, minlength=int(max(train.max(), held.max())) + 1).double() + 1.0
     logp = counts.log() - math.log(float(counts.sum()))
     return {"unigram_heldout_nats": float(-logp[held].mean()), "train_tokens": len(train), "heldout_tokens": len(held)}
@@ -84,9 +94,10 @@ class Batches:
     seed: int
     epoch: int = 0
     index: int = 0
+    tok: Tokenizer | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        stream = token_stream("train")
+        stream = token_stream("train", self.tok)
         n = len(stream) // (self.seq_len + 1)
         if n < self.batch:
             raise ValueError(f"the train split holds {n} windows of {self.seq_len + 1} tokens, fewer than a batch")

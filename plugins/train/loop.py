@@ -2,14 +2,16 @@
 
 The model starts from the project's seeded init (plugins.core.checkpoint.init_model), trains with
 AdamW (linear warmup, cosine decay) on windows of the stdlib train split, and is written as an HF
-directory (config.json + model.safetensors, like the seeded checkpoints) plus `train_log.json` and
-`loss.png`, atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG, data
-position, step, log) goes to `state_dir`; a run started with that state continues it and ends with
+directory (config.json + model.safetensors, like the seeded checkpoints) plus `train_log.json`,
+`loss.png` and the `tokenizer.json` it was trained with (what `checkpoint_tokenizer` finds),
+atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG, data position,
+step, log) goes to `state_dir`; a run started with that state continues it and ends with
 the same weights as an uninterrupted run (same machine, same thread count).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -24,12 +26,18 @@ import torch.nn.functional as F
 from plugins.core.atomic import atomic_dir, check_destination
 from plugins.core.checkpoint import init_model, write_hf_files
 from plugins.core.config import TrainSpec
+from plugins.core.tokenizer import DEFAULT_TOKENIZER, check_vocab, load_tokenizer, tokenizer_file
 
 from . import data
 from .plot import plot_loss
 from .state import has_state, load_state, save_state
 
-LOG_FILE, PLOT_FILE = "train_log.json", "loss.png"
+LOG_FILE, PLOT_FILE, TOKENIZER_NAME = "train_log.json", "loss.png", "tokenizer.json"
+
+
+def tokenizer_id(name: str) -> dict:
+    """What a run records of its tokenizer: the name and a hash of the shipped file."""
+    return {"name": name, "sha256": hashlib.sha256(tokenizer_file(name).read_bytes()).hexdigest()}
 
 
 def learning_rate(spec: TrainSpec, step: int) -> float:
@@ -54,8 +62,8 @@ def lm_loss(model, spec: TrainSpec, windows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def heldout_loss(model, spec: TrainSpec) -> float:
-    windows = data.heldout_windows(spec.eval_windows, spec.seq_len + 1)
+def heldout_loss(model, spec: TrainSpec, tok=None) -> float:
+    windows = data.heldout_windows(spec.eval_windows, spec.seq_len + 1, tok)
     was_training = model.training
     model.eval()
     losses = [float(lm_loss(model, spec, windows[i:i + spec.batch])) * len(windows[i:i + spec.batch])
@@ -73,24 +81,29 @@ def make_optimizer(model, spec: TrainSpec) -> torch.optim.AdamW:
 
 
 def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None = None, name: str = "",
-          force: bool = False, progress: bool = True, stop_at: int | None = None) -> dict | None:
+          force: bool = False, progress: bool = True, stop_at: int | None = None,
+          tokenizer: str = DEFAULT_TOKENIZER) -> dict | None:
     """Train and write the HF directory `dst`; returns its log. `state_dir`: where resumable states go
     (default `<dst>.state`), removed once `dst` is written. `stop_at`: stop after the state of that
-    step is saved, writing nothing else (what an interrupted run leaves; returns None)."""
+    step is saved, writing nothing else (what an interrupted run leaves; returns None). `tokenizer`:
+    the name of the tokenizer the data is cut with (plugins.core.tokenizer.TOKENIZERS)."""
     from tqdm import tqdm
 
     dst = Path(dst)
     state_dir = Path(state_dir) if state_dir else dst.with_name(dst.name + ".state")
     check_destination(dst, force)
+    tok = load_tokenizer(tokenizer)
+    check_vocab(tok.get_vocab_size(), config.vocab_size, f"training {name or dst.name} with tokenizer {tokenizer}")
     model = init_model(config, seed=spec.seed)
     model.train()
     optimizer = make_optimizer(model, spec)
-    batches = data.Batches(spec.seq_len, spec.batch, spec.seed)
-    log = {"name": name, "spec": asdict(spec), "loss": [], "heldout": [], "lr": [], "train_seconds": 0.0}
+    batches = data.Batches(spec.seq_len, spec.batch, spec.seed, tok=tok)
+    log = {"name": name, "spec": asdict(spec), "tokenizer": tokenizer_id(tokenizer), "loss": [], "heldout": [],
+           "lr": [], "train_seconds": 0.0}
     step = 0
     if has_state(state_dir):
         trainer = load_state(state_dir, model, optimizer)
-        if trainer["log"]["spec"] != log["spec"]:
+        if trainer["log"]["spec"] != log["spec"] or trainer["log"].get("tokenizer") != log["tokenizer"]:
             raise ValueError(f"{state_dir} is the state of another training run (its spec differs): "
                              "remove it to start over")
         step, log = trainer["step"], trainer["log"]
@@ -113,7 +126,7 @@ def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
         if step % spec.checkpoint_every == 0 and step < spec.steps:
-            log["heldout"].append([step, heldout_loss(model, spec)])
+            log["heldout"].append([step, heldout_loss(model, spec, tok)])
             log["train_seconds"] += time.perf_counter() - t
             t = time.perf_counter()
             save_state(state_dir, model, optimizer, {"step": step, "data": batches.position(), "log": log})
@@ -122,8 +135,8 @@ def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None
                 return None
     bar.close()
     log["train_seconds"] += time.perf_counter() - t
-    log["heldout"].append([step, heldout_loss(model, spec)])
-    log.update(data.unigram_baseline())
+    log["heldout"].append([step, heldout_loss(model, spec, tok)])
+    log.update(data.unigram_baseline(tok))
     tail = log["loss"][-max(1, min(20, len(log["loss"]))):]
     log.update(steps=step, tokens_seen=step * spec.batch * spec.seq_len, final_train_loss=sum(tail) / len(tail),
                heldout_loss=log["heldout"][-1][1], heldout_files=len(data.split_files()[1]))
@@ -132,5 +145,6 @@ def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None
         write_hf_files(model, tmp)
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1))
         plot_loss(log, tmp / PLOT_FILE)
+        shutil.copyfile(tokenizer_file(tokenizer), tmp / TOKENIZER_NAME)
     shutil.rmtree(state_dir, ignore_errors=True)
     return log
