@@ -153,7 +153,10 @@ def main(argv=None) -> int:
     from plugins.core.tokenizer import checkpoint_tokenizer
 
     quiet_upstream()
-    tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
+    try:
+        tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
+    except ValueError as e:  # its ids do not fit the model
+        ap.error(str(e))
     work = workloads(args, tok)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or REPO_ROOT / "results" / f"prefix-{stamp}"

@@ -410,7 +410,10 @@ def main(argv=None) -> int:
     from plugins.core.tokenizer import checkpoint_tokenizer
 
     # Every request is made (and its length known) before anything starts: a bad length is an argument error.
-    tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
+    try:
+        tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
+    except ValueError as e:  # its ids do not fit the model
+        ap.error(str(e))
     lo, hi = args.max_tokens
     rng = random.Random(args.seed)
     try:

@@ -87,7 +87,10 @@ def main(argv=None) -> int:
     from .scheduler import Scheduler
     from plugins.core.tokenizer import checkpoint_tokenizer
 
-    tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
+    try:
+        tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
+    except ValueError as e:  # its ids do not fit the model
+        ap.error(str(e))
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}); "
              f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
              f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
