@@ -52,6 +52,9 @@ def test_parse_and_degenerate_on_hand_made_completions():
         "\n    def g(self):\n        pass\n": (False, False),                # no body line at all
         "\n        x = 1\n      y = 2\n": (False, False),                  # inconsistent indentation
         "\n        if x:\n            return 1\n        return 2\n": (True, False),
+        "\n        return self._to_to_to_to\n": (True, True),             # a loop inside a line
+        "\n        return f(x, x, x, x, x\n": (False, True),
+        "\n        # ----------------\n        return 1\n": (True, False),  # a rule is not a loop
         "": (False, True),
     }
     for completion, want in cases.items():

@@ -13,7 +13,9 @@ A completion *parses* when the method's header and docstring (dedented to column
 complete generated body lines compile with `ast.parse`: complete lines are those ended by a newline
 (the last, cut-off line is dropped), and the body stops at the first non-blank line indented less
 than the body (the method ended); at least one non-blank body line is required. A completion is
-*degenerate* when it has no complete non-blank line or one stripped line makes up 3 or more of them.
+*degenerate* when it has no complete non-blank line, when one stripped line makes up 3 or more of
+them, or when any of its lines (the cut-off one included) repeats a piece holding a letter or digit
+4 or more times in a row (`x, x, x, x`, `_to_to_to_to`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import argparse
 import ast
 import json
 import random
+import re
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPEATS = 3  # a line this many times in 64 tokens is a loop, not code
+_RUN = re.compile(r"(.{2,}?)\1{3,}")  # a piece of 2+ characters, then 3+ copies of it
 
 
 @dataclass
@@ -122,7 +126,9 @@ def parses(method: Method, completion: str) -> bool:
 
 def degenerate(completion: str) -> bool:
     lines = [x.strip() for x in completion.split("\n")[:-1] if x.strip()]
-    return not lines or Counter(lines).most_common(1)[0][1] >= REPEATS
+    if not lines or Counter(lines).most_common(1)[0][1] >= REPEATS:
+        return True
+    return any(any(c.isalnum() for c in m.group(1)) for x in completion.split("\n") for m in _RUN.finditer(x.strip()))
 
 
 def complete(model, tok, methods: list[Method], prompt_tokens: int = 400, new_tokens: int = 48) -> list[dict]:
