@@ -18,7 +18,7 @@ from plugins.train.cache import ensure_trained, is_trained
 from plugins.train.loop import LOG_FILE, PLOT_FILE
 
 # trained with the small tokenizer, like the code-* models
-TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 8192, "n_positions": 256, "multi_query": True,
+TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 8192, "n_positions": 32, "multi_query": True,
         "tokenizer": "code-8k"}
 TRAIN = {"steps": 12, "seq_len": 32, "batch": 4, "lr": 3.0e-3, "warmup": 2, "seed": 1, "checkpoint_every": 4,
          "eval_windows": 4}
@@ -139,10 +139,11 @@ def test_tokenizer_keys_are_checked(tmp_path):
 
 def test_train_sections_are_checked(tmp_path):
     assert load_train_spec("tiny") is None
-    assert load_train_spec("code-mqa").seq_len <= load_model_config("code-mqa").n_positions
+    assert load_train_spec("code-mqa").seq_len == load_model_config("code-mqa").n_positions
     assert load_model_config("code-mha").multi_query is False
     for bad, message in (({"stpes": 3}, "unknown train key"), ({"lr": -1}, "lr must be"),
-                         ({"seq_len": 512}, "exceeds n_positions"), ({"precision": "fp16"}, "precision")):
+                         ({"seq_len": 512}, "exceeds n_positions"),
+                         ({"seq_len": 16}, "position embeddings past it"), ({"precision": "fp16"}, "precision")):
         with pytest.raises(ConfigError, match=message):
             load_train_spec(write_config(tmp_path / "bad.yaml", **bad))
 

@@ -182,6 +182,9 @@ def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
                           f"{spec.vocab_size}: token ids would index past the embedding")
     if train is not None and train.seq_len > spec.n_positions:
         raise ConfigError(f"{path.name}: train seq_len {train.seq_len} exceeds n_positions {spec.n_positions}")
+    if train is not None and train.seq_len < spec.n_positions:  # learned positions past seq_len stay random
+        raise ConfigError(f"{path.name}: train seq_len {train.seq_len} is shorter than n_positions "
+                          f"{spec.n_positions}: the position embeddings past it would never be trained")
     return spec
 
 
