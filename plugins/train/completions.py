@@ -193,11 +193,12 @@ def main(argv=None) -> int:
     ok = sum(r["parses"] for r in rows)
     fine = sum(not r["degenerate"] for r in rows)
     both = sum(r["parses"] and not r["degenerate"] for r in rows)
+    keep = min(args.prompt_tokens, model.config.n_positions - args.new_tokens)
     summary = {"checkpoint": str(args.checkpoint), "methods": len(rows), "parse": ok, "non_degenerate": fine,
                "parse_and_non_degenerate": both, "seed": args.seed, "new_tokens": args.new_tokens,
-               "prompt_tokens": args.prompt_tokens}
-    print(f"{args.checkpoint}: {ok}/{len(rows)} parse, {fine}/{len(rows)} non-degenerate, "
-          f"{both}/{len(rows)} both (seed {args.seed}, {args.new_tokens} new tokens, greedy, HF fp32)")
+               "prompt_tokens": keep}
+    print(f"{args.checkpoint}: {ok}/{len(rows)} parse, {fine}/{len(rows)} non-degenerate, {both}/{len(rows)} both "
+          f"(seed {args.seed}, prompts of <= {keep} tokens, {args.new_tokens} new tokens, greedy, HF fp32)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**summary, "completions": rows, "shown": shown}, indent=1))
