@@ -12,7 +12,7 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   (bit-for-bit HF's GEMM).
 - weight-only int8 / int4 (`quantize`, the backend's `quantize="int8" | "int4"`): DeepSpeed's own
   int8 convention (an int8 weight tensor carrying `.scale`), computed by `plugins.kernels.quant`:
-  our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA); int4
+  our kernel on CPU (AVX512: any rows; AVX2: one row), torch's `aten._weight_int8pack_mm` otherwise; int4
   as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (torch's CPU int4 kernel),
   carrying it as `.int4`.
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded

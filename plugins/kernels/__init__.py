@@ -2,8 +2,8 @@
 
 The ladder, fastest first; each rung is a real path with its own tests:
 
-  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 and int8 steps;
-          more bf16 rows go to oneDNN
+  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 steps and int8
+          linears of any row count; more bf16 rows go to oneDNN
   onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
           (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
@@ -71,7 +71,7 @@ class Probe:
 
     def int8(self, rows: int) -> str:
         """'avx512' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
-        if rows <= 1 and "avx512" in self.modules:
+        if "avx512" in self.modules:
             return "avx512"
         if rows <= 1 and "avx2" in self.modules:
             return "avx2"
@@ -259,8 +259,9 @@ def paths(dtype: torch.dtype, batch: int, prompt_len: int, int8: bool = False) -
     if dtype != torch.bfloat16 or torch.cuda.is_available():
         return {"decode": "torch", "prefill": "torch"}
     p = probe()
-    decode = f"int8 {p.int8(batch)}" if int8 else p.bf16(batch)
-    return {"decode": decode, "prefill": p.bf16(batch * prompt_len)}
+    if int8:
+        return {"decode": f"int8 {p.int8(batch)}", "prefill": f"int8 {p.int8(batch * prompt_len)}"}
+    return {"decode": p.bf16(batch), "prefill": p.bf16(batch * prompt_len)}
 
 
 def slow_dtypes() -> list[str]:

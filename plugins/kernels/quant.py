@@ -1,9 +1,10 @@
 """Weight-only quantization; activations stay bf16/fp32.
 
 Decode at small batch is bound by reading weights. int8 (per-output-channel symmetric scales) halves
-the bytes of bf16: one bf16 row runs our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI
-or AVX2), otherwise torch's own `aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside
-the kernel. int4 (groups of INT4_GROUP input channels, a scale and a zero point each) quarters them:
+the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI:
+any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX2: one row), otherwise torch's own
+`aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel. int4 (groups of
+INT4_GROUP input channels, a scale and a zero point each) quarters them:
 torch's CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`; an AVX512-VNNI kernel of ours measured
 slower: 2.83 vs 2.48 ms for 127M weights at one row, 26.8 vs 13.6 ms at 16).
 """
@@ -39,7 +40,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
             bias is None or bias.dtype == torch.bfloat16):
         impl = probe().int8(choice_rows(x2.shape[0]))
-    if impl != "torch":  # one row (a decode step at batch 1): our kernel, ~1.6x torch's int8 GEMV
+    if impl != "torch":  # our kernel: avx512 any rows, avx2 one row
         out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows; dequantizing
