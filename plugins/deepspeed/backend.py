@@ -137,7 +137,7 @@ class DeepSpeedBackend(HFBackend):
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         weight = self.model.transformer.h[0].attention.attn_qkvw
         if weight.dtype == torch.uint8:
-            return {"decode": "int4 torch", "prefill": "int4 torch"}
+            return {"decode": f"int4 {weight.int4.layout}", "prefill": f"int4 {weight.int4.layout}"}
         return kernels.paths(self.dtype, batch, prompt_len, int8=weight.dtype == torch.int8)
 
     def decoder(self, batch: int, max_length: int) -> HFDecoder:

@@ -2,8 +2,8 @@
 
 The ladder, fastest first; each rung is a real path with its own tests:
 
-  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 steps and int8
-          linears of any row count; more bf16 rows go to oneDNN
+  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 steps, int8 and
+          int4 linears of any row count; more bf16 rows go to oneDNN
   onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
           (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
@@ -77,6 +77,10 @@ class Probe:
             return "avx2"
         return "torch"
 
+    def int4(self, rows: int = 1) -> str:
+        """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu)."""
+        return "avx512" if "avx512" in self.modules else "torch"
+
     def kernel(self, impl: str):
         return self.modules[impl]
 
@@ -84,7 +88,8 @@ class Probe:
         """What ran, for results.json and the console: the rung and the choice per dtype and rows."""
         rows = (1, 4, 16, 128)
         return {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
-                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows}}
+                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows},
+                "int4": {r: self.int4(r) for r in rows}}
 
 
 def capabilities() -> dict:
@@ -118,7 +123,7 @@ def build(name: str):
         announce(f"building the {name} decode kernel with g++ (once per machine, ~25 s)...")
     flags = KERNEL_ISA[name][1]
     # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
-    header = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in ("common.h", "entry_points.h"))).hexdigest()[:16]
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:
         return load(f"decode_{name}", [str(CSRC / f"decode_{name}.cpp")], verbose=False,
                     extra_cflags=["-O3", "-fopenmp", *flags, f"-DCOMMON_H_SHA={header}"],

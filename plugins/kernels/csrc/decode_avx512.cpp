@@ -101,21 +101,27 @@ void row_bf16(const bf16* x, const bf16* w, int64_t M, int64_t K, float* dot) {
 // unsigned operand on the weight side: w + 128 (the int8 weight with its top bit flipped), and
 // sum_k w q = 256 * sum (w + 128) hi + sum (w + 128) lo - 128 * sum q. Integer sums are exact.
 struct FixedPointRows {
-  int64_t K64;                 // K rounded up to 64 (zero padded: padded lanes add nothing)
+  int64_t K64;                 // K rounded up to a multiple of 64 (zero padded: padded lanes add nothing)
   std::vector<int8_t> hi, lo;  // [M, K64]
   std::vector<float> scale;    // sx per row
   std::vector<int64_t> sum;    // sum of q per row
+  int64_t group = 0;           // if set, group_sum[m * K64 / group + g]: sum of q over inputs of group g
+  std::vector<int32_t> group_sum;
 };
 
 // The scalar fixed_point_scale / to_fixed_point (common.h), 16 lanes at a time: the same scale (a max
 // is exact), the same q (one division and a round-to-nearest-even conversion, as std::nearbyint).
-FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
+// `group` (a multiple of 64, or 0): pad K to whole groups and keep each group's sum of q.
+FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K, int64_t group = 0) {
   FixedPointRows f;
-  f.K64 = (K + 63) / 64 * 64;
+  const int64_t pad = group ? group : 64;
+  f.K64 = (K + pad - 1) / pad * pad;
   f.hi.assign(M * f.K64, 0);
   f.lo.assign(M * f.K64, 0);
   f.scale.assign(M, 0.0f);
   f.sum.assign(M, 0);
+  f.group = group;
+  if (group) f.group_sum.assign(M * f.K64 / group, 0);
   for (int64_t m = 0; m < M; ++m) {
     const bf16* row = x + m * K;
     __m512 amax = _mm512_setzero_ps();
@@ -140,6 +146,7 @@ FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
       _mm512_mask_cvtepi32_storeu_epi8(hi + k, keep, h);
       _mm512_mask_cvtepi32_storeu_epi8(lo + k, keep, _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8)));
       total = _mm512_add_epi32(total, q);  // |q| <= 32000: a lane sums K / 16 of them, far from 2^31
+      if (group) f.group_sum[(m * f.K64 + k) / group] += _mm512_reduce_add_epi32(q);
     }
     f.sum[m] = _mm512_reduce_add_epi32(total);
   }
@@ -170,190 +177,10 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
   }
 }
 
-// Several rows: a GEMM with vpdpbusd in its native layout. 64 output columns at a time, each thread
-// transposes its weight rows into [K / 4][64 columns][4 inputs] (one register holds 4 inputs of 16
-// columns), so one broadcast activation dword feeds 4 registers of columns and a loaded weight
-// register feeds ROW_TILE rows: ~1 load per 3 multiplies where the one-row form above needs ~1 per 1,
-// and no horizontal sums. The integer sums are exact, so every output equals the one-row kernel's
-// bit for bit (the same epilogue): rows stay independent of the batch.
-constexpr int64_t TILE_COLS = 64;
-constexpr int ROW_TILE = 3;  // 3 rows x 4 column registers x (hi, lo) = 24 accumulators of 32
-constexpr int64_t CHUNK = 512;  // inputs per transposed chunk: 32 KB, stays in L1 while every row group reads it
-
-// 16 weight rows x 64 inputs (16 dwords each) -> 16 registers of one dword (4 inputs) per row.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);      // dwords 0, 4, 8, 12 of rows i..i+3
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);  // 1, 5, 9, 13
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);  // 2, 6, 10, 14
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);  // 3, 7, 11, 15
-  }
-  for (int j = 0; j < 4; ++j) {  // u[j], u[4 + j], u[8 + j], u[12 + j]: dwords j, j + 4, j + 8, j + 12
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[j + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[j + 12] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
-// tile[(k - k0) / 4 * 64 + c] = the 4 bytes (w + 128) of column n0 + c, inputs k .. k + 3, for k in
-// [k0, k1) (multiples of 64); columns past N and inputs past K are zero weights.
-void transpose_chunk(const int8_t* w, int64_t N, int64_t K, int64_t n0, int64_t k0, int64_t k1, int32_t* tile) {
-  for (int64_t c0 = 0; c0 < TILE_COLS; c0 += 16) {
-    for (int64_t k = k0; k < k1; k += 64) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t n = n0 + c0 + i;
-        r[i] = n < N && k < K ? load_weight_bytes(w + n * K + k, K - k) : _mm512_set1_epi8((char)0x80);
-      }
-      transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + ((k - k0) / 4 + j) * TILE_COLS + c0, r[j]);
-    }
-  }
-}
-
-// Software prefetch of the next chunk's weights (64 rows x its inputs) into L2, a few lines per
-// inner iteration, so reading memory overlaps the multiplies (the hardware prefetcher does not run
-// that far ahead over 64 row streams).
-struct Prefetch {
-  const int8_t* w = nullptr;  // first byte of the chunk's first row; nullptr: nothing left
-  int64_t K = 0, rows = 0, bytes = 0, per_step = 0;
-  int64_t row = 0, offset = 0;
-  inline void step() {
-    for (int64_t i = 0; i < per_step && w != nullptr; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + row * K + offset), _MM_HINT_T1);
-      offset += 64;
-      if (offset >= bytes) {
-        offset = 0;
-        if (++row == rows) w = nullptr;
-      }
-    }
-  }
-};
-
-// One activation row's 8 accumulators (hi, lo x 4 column registers), named: GCC keeps arrays of
-// vectors on the stack across the loop (measured 2x slower), named locals stay in registers.
-struct RowSums {
-  __m512i h0, h1, h2, h3, l0, l1, l2, l3;
-  explicit RowSums(const int32_t* s)  // [hi x 64, lo x 64]
-      : h0(_mm512_loadu_si512(s)), h1(_mm512_loadu_si512(s + 16)), h2(_mm512_loadu_si512(s + 32)),
-        h3(_mm512_loadu_si512(s + 48)), l0(_mm512_loadu_si512(s + 64)), l1(_mm512_loadu_si512(s + 80)),
-        l2(_mm512_loadu_si512(s + 96)), l3(_mm512_loadu_si512(s + 112)) {}
-  inline void add(__m512i w0, __m512i w1, __m512i w2, __m512i w3, int32_t hi, int32_t lo) {
-    const __m512i h = _mm512_set1_epi32(hi), l = _mm512_set1_epi32(lo);
-    h0 = _mm512_dpbusd_epi32(h0, w0, h);
-    h1 = _mm512_dpbusd_epi32(h1, w1, h);
-    h2 = _mm512_dpbusd_epi32(h2, w2, h);
-    h3 = _mm512_dpbusd_epi32(h3, w3, h);
-    l0 = _mm512_dpbusd_epi32(l0, w0, l);
-    l1 = _mm512_dpbusd_epi32(l1, w1, l);
-    l2 = _mm512_dpbusd_epi32(l2, w2, l);
-    l3 = _mm512_dpbusd_epi32(l3, w3, l);
-  }
-  void store(int32_t* out) const {
-    _mm512_storeu_si512(out, h0);
-    _mm512_storeu_si512(out + 16, h1);
-    _mm512_storeu_si512(out + 32, h2);
-    _mm512_storeu_si512(out + 48, h3);
-    _mm512_storeu_si512(out + 64, l0);
-    _mm512_storeu_si512(out + 80, l1);
-    _mm512_storeu_si512(out + 96, l2);
-    _mm512_storeu_si512(out + 112, l3);
-  }
-};
-
-// sums[(m * 2 + hi/lo) * 64 + c] += the exact sums of RT rows (from m0) against the 64 columns of
-// `tile`, inputs [k0, k1).
-template <int RT>
-void tile_sums(const FixedPointRows& f, int64_t m0, const int32_t* tile, int64_t k0, int64_t k1, int32_t* sums,
-               Prefetch& prefetch) {
-  static_assert(RT >= 1 && RT <= 3, "three rows fill the registers");
-  RowSums a(sums), b(RT >= 2 ? sums + 2 * TILE_COLS : sums), c(RT >= 3 ? sums + 4 * TILE_COLS : sums);
-  const int32_t* h[3];
-  const int32_t* l[3];
-  for (int m = 0; m < RT; ++m) {
-    h[m] = reinterpret_cast<const int32_t*>(f.hi.data() + (m0 + m) * f.K64);
-    l[m] = reinterpret_cast<const int32_t*>(f.lo.data() + (m0 + m) * f.K64);
-  }
-  for (int64_t k4 = k0 / 4; k4 < k1 / 4; ++k4) {
-    const int32_t* wk = tile + (k4 - k0 / 4) * TILE_COLS;
-    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 16);
-    const __m512i w2 = _mm512_loadu_si512(wk + 32), w3 = _mm512_loadu_si512(wk + 48);
-    a.add(w0, w1, w2, w3, h[0][k4], l[0][k4]);
-    if constexpr (RT >= 2) b.add(w0, w1, w2, w3, h[1][k4], l[1][k4]);
-    if constexpr (RT >= 3) c.add(w0, w1, w2, w3, h[2][k4], l[2][k4]);
-    prefetch.step();
-  }
-  a.store(sums);
-  if constexpr (RT >= 2) b.store(sums + 2 * TILE_COLS);
-  if constexpr (RT >= 3) c.store(sums + 4 * TILE_COLS);
-}
-
-// dot = (256 hi + lo - 128 sum q) * sx, as dots_int8 computes it (exact in double, one rounding each way).
-inline void tile_dots(const int32_t* sums, int64_t q_sum, float sx, float* dot) {
-  const __m512d shift = _mm512_set1_pd(256.0), fix = _mm512_set1_pd(128.0 * (double)q_sum),
-                scale = _mm512_set1_pd((double)sx);
-  for (int64_t c = 0; c < TILE_COLS; c += 8) {
-    const __m512d hi = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(sums + c)));
-    const __m512d lo = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(sums + TILE_COLS + c)));
-    const __m512d sum = _mm512_sub_pd(_mm512_fmadd_pd(hi, shift, lo), fix);
-    _mm256_storeu_ps(dot + c, _mm512_cvtpd_ps(_mm512_mul_pd(sum, scale)));
-  }
-}
-
-torch::Tensor linear_int8_rows(const torch::Tensor& x, const torch::Tensor& weight, const bf16* scales,
-                               const bf16* bias, bool gelu) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);
-  const int8_t* wp = weight.data_ptr<int8_t>();
-  auto out = torch::empty({M, N}, x.options());
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t groups = (M + ROW_TILE - 1) / ROW_TILE;
-  at::parallel_for(0, (N + TILE_COLS - 1) / TILE_COLS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> tile(CHUNK / 4 * TILE_COLS), sums(groups * ROW_TILE * 2 * TILE_COLS);
-    std::vector<float> dot(TILE_COLS);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * TILE_COLS, width = std::min(TILE_COLS, N - n0);
-      std::fill(sums.begin(), sums.end(), 0);
-      for (int64_t k0 = 0; k0 < f.K64; k0 += CHUNK) {
-        const int64_t k1 = std::min(k0 + CHUNK, f.K64);
-        transpose_chunk(wp, N, K, n0, k0, k1, tile.data());
-        // the next chunk: the rest of this tile's inputs, else the next tile's first
-        Prefetch next;
-        const int64_t nn0 = k1 < f.K64 ? n0 : n0 + TILE_COLS, nk0 = k1 < f.K64 ? k1 : 0;
-        if ((k1 < f.K64 || t + 1 < end) && nk0 < K) {
-          next.w = wp + std::min(nn0, N - 1) * K + nk0;
-          next.K = K;
-          next.rows = std::min(TILE_COLS, N - nn0);
-          next.bytes = std::min(CHUNK, K - nk0);
-          next.per_step = std::max<int64_t>(1, (next.rows * ((next.bytes + 63) / 64)) / (groups * ((k1 - k0) / 4)) + 1);
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t m0 = g * ROW_TILE, rows = std::min<int64_t>(ROW_TILE, M - m0);
-          int32_t* gs = sums.data() + g * ROW_TILE * 2 * TILE_COLS;
-          if (rows == 3) tile_sums<3>(f, m0, tile.data(), k0, k1, gs, next);
-          else if (rows == 2) tile_sums<2>(f, m0, tile.data(), k0, k1, gs, next);
-          else tile_sums<1>(f, m0, tile.data(), k0, k1, gs, next);
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        tile_dots(sums.data() + m * 2 * TILE_COLS, f.sum[m], f.scale[m], dot.data());
-        finish_row(dot.data(), width, scales ? scales + n0 : nullptr, bias ? bias + n0 : nullptr, gelu,
-                   op + m * N + n0);
-      }
-    }
-  });
-  return out;
-}
+#include "tiles_avx512.h"
 
 #define INT8_ROWS linear_int8_rows
+#define INT4_LINEAR linear_int4
 
 }  // namespace
 

@@ -2,7 +2,8 @@
 // has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)`,
 // `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`; and
 // may define FINISH_ROW, a vectorized decode::finish_row_scalar, and INT8_ROWS, an int8 linear for
-// more than one row (x, weight, scales, bias, gelu) whose outputs equal the one-row path's.
+// more than one row (x, weight, scales, bias, gelu) whose outputs equal the one-row path's, and
+// INT4_LINEAR (bound as `linear_int4`).
 #pragma once
 
 #ifndef FINISH_ROW
@@ -48,4 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
   m.def("linear", &linear, (std::string("bf16 decode linear (") + ISA + ")").c_str());
   m.def("linear_int8", &linear_int8, (std::string("int8 weight decode linear, bf16 in and out (") + ISA + ")").c_str());
+#ifdef INT4_LINEAR
+  m.def("linear_int4", &INT4_LINEAR, (std::string("int4 weight linear, bf16 in and out (") + ISA + ")").c_str());
+#endif
 }
