@@ -241,3 +241,15 @@ def test_backends_name_the_path_their_linears_take(ckpt_factory):
     assert q.linear_paths(1, 32) == {"decode": f"int8 {p.int8(1)}", "prefill": f"int8 {p.int8(32)}"}
     assert load_backend("deepspeed", path).linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}  # fp32
     assert load_backend("hf", path, dtype="bfloat16").linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}
+
+
+def test_linear_bench_times_every_quantized_kind():
+    from plugins.kernels.bench import bench
+
+    table = bench(rows=(1, 3), layers=1, reps=1, layer=[(70, 130), (64, 256)])
+    assert [row["rows"] for row in table] == [1, 3]
+    p = kernels.probe()
+    for row in table:
+        kinds = {key.split()[0]: key.split()[1] for key in row if key != "rows"}
+        assert kinds["bf16"] == p.bf16(row["rows"]) and kinds["int8"] == p.int8(row["rows"])
+        assert kinds["int4"] == p.int4() and all(v > 0 for k, v in row.items() if k != "rows")
