@@ -12,9 +12,9 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   (bit-for-bit HF's GEMM).
 - weight-only int8 / int4 (`quantize`, the backend's `quantize="int8" | "int4"`): DeepSpeed's own
   int8 convention (an int8 weight tensor carrying `.scale`), computed by `plugins.kernels.quant`:
-  our kernel for one row on CPU, torch's `aten._weight_int8pack_mm` otherwise (CPU and CUDA); int4
-  as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (torch's CPU int4 kernel),
-  carrying it as `.int4`.
+  our kernel on CPU (AVX512: any rows; AVX2: one row), torch's `aten._weight_int8pack_mm` otherwise; int4
+  as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (our AVX512 kernel's pack, or
+  torch's for its CPU int4 kernel), carrying it as `.int4`.
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
   into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V). Inside
   `plugins.kernels.rows_alone()` several tokens are attended one by one, as one-token steps.
@@ -45,7 +45,7 @@ from .cache import layer_cache
 def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     """x @ weight (+ bias) (then tanh GELU), weight stored [in, out] as DeepSpeed keeps it; an int8
     weight (from `quantize`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants; an
-    int4 weight is torch's uint8 pack."""
+    int4 weight is a uint8 pack carrying its Int4Weight."""
     if weight.dtype == torch.int8:
         return int8_linear(x, weight, weight.scale, bias, gelu)
     if weight.dtype == torch.uint8:

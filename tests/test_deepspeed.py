@@ -81,7 +81,7 @@ def test_deepspeed_int4_runs_the_quantized_linears_and_stays_close(name, ckpt_fa
         load_backend("deepspeed", path, device="cuda", quantize="int4")
 
 
-DRAFTS = [(4, "int8"), (1, "int8"), (3, "other weights"), (4, "prompt-lookup")]
+DRAFTS = [(4, "int8"), (1, "int8"), (4, "int4"), (3, "other weights"), (4, "prompt-lookup")]
 
 
 def _speculative(path, k, draft, ckpt_factory, name, dtype):
@@ -102,6 +102,8 @@ def test_deepspeed_speculative_equals_plain_greedy(name, ckpt_factory, padded_ba
         if draft == "int8":
             assert res.stats["acceptance_rate"] >= 0.8
             assert spec.draft.model.transformer.h[0].attention.attn_qkvw.dtype == torch.int8
+        if draft == "int4":
+            assert spec.draft.model.transformer.h[0].attention.attn_qkvw.dtype == torch.uint8
         assert spec.model.transformer.h[0].attention.attn_qkvw.dtype == torch.float32  # the target is untouched
     with pytest.raises(ConfigError, match="greedy only"):
         spec.generate(ids, mask, 8, do_sample=True)

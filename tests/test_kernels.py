@@ -35,7 +35,7 @@ def test_ladder_decisions_per_rung():
     """Which implementation each rung gives bf16 and int8 linears, by number of rows."""
     avx512 = Probe("avx512", True, modules={"avx512": object()})
     assert [avx512.bf16(r) for r in (1, 2, 16, 512)] == ["avx512", "onednn", "onednn", "onednn"]
-    assert [avx512.int8(r) for r in (1, 2)] == ["avx512", "torch"]
+    assert [avx512.int8(r) for r in (1, 2, 16, 512)] == ["avx512"] * 4
     onednn = Probe("onednn", True, modules={"avx2": object()})
     assert [onednn.bf16(r) for r in (1, 16, 512)] == ["onednn"] * 3
     assert [onednn.int8(r) for r in (1, 2)] == ["avx2", "torch"]
@@ -103,9 +103,12 @@ def test_kernel_bf16_matches_fp32_reference(name, function, rows, out_features, 
 
 
 @per_kernel
-def test_kernel_rows_are_independent_of_the_batch(name):
-    """Each output row is computed by the same instructions in the same order whatever M is."""
-    x, w = torch.randn(11, 259).bfloat16(), torch.randn(52, 259).bfloat16()
+@pytest.mark.parametrize("in_features,out_features", [(259, 52), (1100, 130)])
+def test_kernel_rows_are_independent_of_the_batch(name, in_features, out_features):
+    """Each output row is computed by the same instructions in the same order whatever M is (int8
+    with several rows: exact integer sums in another order, the same epilogue; 1100 inputs span
+    three of its chunks, 130 outputs end in a partial tile)."""
+    x, w = torch.randn(11, in_features).bfloat16(), torch.randn(out_features, in_features).bfloat16()
     q, scales = quantize_per_channel(w)
     whole = kernel(name).linear(x, w, None, True)
     whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
@@ -117,7 +120,7 @@ def test_kernel_rows_are_independent_of_the_batch(name):
 
 @per_kernel
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 130),
-                                                            (1, 16, 8200)])
+                                                            (1, 16, 8200), (16, 200, 2050)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_kernel_int8_matches_dequantized_reference(name, rows, out_features, in_features, gelu):
     """int8 weights x activations held as 16-bit fixed point per row, exact integer sums, one rounding
@@ -188,7 +191,7 @@ def test_int8_linear_one_row_agrees_with_torch_int8_kernel():
     q, scales = quantize_per_channel(lin.weight)
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     rows = torch.cat([int8_linear(x[i:i + 1], q, scales.to(torch.bfloat16), lin.bias) for i in range(4)])
-    batch = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # aten._weight_int8pack_mm
+    batch = torch.ops.aten._weight_int8pack_mm(x, q, scales.to(torch.bfloat16)) + lin.bias
     assert (rows.float() - batch.float()).abs().max() <= 2 ** -7 * batch.float().abs().max()
 
 
@@ -235,6 +238,18 @@ def test_backends_name_the_path_their_linears_take(ckpt_factory):
     ds = load_backend("deepspeed", path, dtype="bfloat16")
     assert ds.linear_paths(4, 32) == {"decode": p.bf16(4), "prefill": p.bf16(128)}
     q = load_backend("deepspeed", path, dtype="bfloat16", quantize="int8")
-    assert q.linear_paths(1, 32) == {"decode": f"int8 {p.int8(1)}", "prefill": p.bf16(32)}
+    assert q.linear_paths(1, 32) == {"decode": f"int8 {p.int8(1)}", "prefill": f"int8 {p.int8(32)}"}
     assert load_backend("deepspeed", path).linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}  # fp32
     assert load_backend("hf", path, dtype="bfloat16").linear_paths(1, 32) == {"decode": "torch", "prefill": "torch"}
+
+
+def test_linear_bench_times_every_quantized_kind():
+    from plugins.kernels.bench import bench
+
+    table = bench(rows=(1, 3), layers=1, reps=1, layer=[(70, 130), (64, 256)])
+    assert [row["rows"] for row in table] == [1, 3]
+    p = kernels.probe()
+    for row in table:
+        kinds = {key.split()[0]: key.split()[1] for key in row if key != "rows"}
+        assert kinds["bf16"] == p.bf16(row["rows"]) and kinds["int8"] == p.int8(row["rows"])
+        assert kinds["int4"] == p.int4() and all(v > 0 for k, v in row.items() if k != "rows")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from plugins import kernels
 from plugins.core.checkpoint import init_model
 from plugins.core.config import load_model_config
 from plugins.core.generation import Sampler, generate
@@ -43,8 +44,10 @@ def test_int8_linear_prefill_rows_dequantize_to_the_same_result():
     lin = nn.Linear(48, 40).to(torch.bfloat16)
     q, scales = quantize_per_channel(lin.weight)
     x = torch.randn(DEQUANT_ROWS + 2, 48, dtype=torch.bfloat16)
-    many = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # the dequantize + GEMM path
+    many = int8_linear(x, q, scales.to(torch.bfloat16), lin.bias)  # the dequantize + GEMM path, or our kernel
     one_by_one = torch.cat([int8_linear(x[i:i + 1], q, scales.to(torch.bfloat16), lin.bias) for i in range(len(x))])
+    if kernels.probe().int8(len(x)) == "avx512":  # exact integer sums whatever the rows
+        assert torch.equal(many, one_by_one)
     assert (many.float() - one_by_one.float()).abs().max() < 0.1
 
 
@@ -77,7 +80,7 @@ def test_int4_grid_error_is_half_a_step_per_group():
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(40, 200), (64, 128), (130, 384)])  # odd N and K too
+@pytest.mark.parametrize("shape", [(40, 200), (64, 128), (130, 384), (70, 1100)])  # odd N and K; K over chunks
 def test_int4_linear_matches_the_fp32_grid(shape, dtype):
     n, k = shape
     w, bias = torch.randn(n, k), torch.randn(n).to(dtype)
@@ -96,12 +99,14 @@ def test_int4_linear_matches_the_fp32_grid(shape, dtype):
 
 @pytest.mark.kernels
 def test_int4_rows_are_computed_as_one_row_alone():
-    """torch's int4 kernel computes a row the same way whatever the number of rows (what an exact
-    speculative verify on int4 weights relies on): fails if an upstream change breaks that."""
-    weight = quantize_int4(torch.randn(96, 256))
-    x = torch.randn(11, 256).to(torch.bfloat16)
-    one_by_one = torch.cat([int4_linear(x[i:i + 1], weight, None) for i in range(11)])
-    assert torch.equal(int4_linear(x, weight, None), one_by_one)
+    """The int4 kernel in use (ours, or torch's: then this fails if an upstream change breaks it)
+    computes a row the same way whatever the number of rows, what an exact speculative verify on int4
+    weights relies on."""
+    for n, k in ((96, 256), (70, 1100)):
+        weight = quantize_int4(torch.randn(n, k))
+        x = torch.randn(11, k).to(torch.bfloat16)
+        one_by_one = torch.cat([int4_linear(x[i:i + 1], weight, None) for i in range(11)])
+        assert torch.equal(int4_linear(x, weight, None), one_by_one), weight.layout
 
 
 def test_int4_linears_store_under_0_3x_of_bf16():

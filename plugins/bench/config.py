@@ -153,10 +153,10 @@ def _backend_entry(raw) -> BackendEntry:
 
 def draft_model(options: dict) -> str | None:
     """The model config a `speculative.draft` option names (resolved to its checkpoint by the grid),
-    or None when it is "int8" or a path the backend reads itself."""
+    or None when it is "int8" / "int4" or a path the backend reads itself."""
     spec = options.get("speculative")
     draft = spec.get("draft") if isinstance(spec, dict) else None
-    if not isinstance(draft, str) or draft == "int8" or Path(draft).is_dir():
+    if not isinstance(draft, str) or draft in ("int8", "int4") or Path(draft).is_dir():
         return None
     return draft if draft in model_names() or Path(draft).suffix in (".yaml", ".yml") else None
 

@@ -8,8 +8,8 @@ skip HF's model forward (`decoder.InjectedDecoder`).
 
 Speed options (tp_size 1): `quantize="int8" | "int4"` (weight-only layer linears, int4 on CPU;
 `quantize_lm_head=True` adds the LM head), `compile=True` (torch.compile of the decode step, eager if
-that fails), `speculative={"k": 4, "draft": "int8" | <HF dir> | "prompt-lookup"}` (exact greedy
-speculative decoding; "int8" drafts with the target's own layers in int8, "prompt-lookup" copies
+that fails), `speculative={"k": 4, "draft": "int8" | "int4" | <HF dir> | "prompt-lookup"}` (exact greedy
+speculative decoding; "int8" / "int4" draft with the target's own layers quantized, "prompt-lookup" copies
 the k tokens that followed the last match of the trailing `ngram` tokens (default 2) in the prompt
 and the text so far: transformers' `prompt_lookup_num_tokens`, k defaults to 10 there).
 
@@ -58,8 +58,8 @@ class DeepSpeedBackend(HFBackend):
         """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.core.launcher)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
-        if quantize == "int4" and device != "cpu":
-            raise ConfigError("quantize='int4' runs on CPU (torch's CPU int4 kernel); use 'int8' on CUDA")
+        if "int4" in (quantize, (speculative or {}).get("draft")) and device != "cpu":
+            raise ConfigError("int4 runs on CPU (our kernel or torch's CPU int4 kernel); use 'int8' on CUDA")
         config = read_hf_config(hf_dir)
         check_load(config, tp_size)  # before any rank starts or reads weights
         speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
@@ -90,8 +90,8 @@ class DeepSpeedBackend(HFBackend):
         backend = cls(engine, resolved, device, tp_size, kv_layout, compile)
         if speculative is not None:  # the draft copies the weights before anything is packed or quantized
             backend.speculative = speculative
-            if speculative["draft"] == "int8":
-                backend.draft = backend._int8_copy()
+            if speculative["draft"] in QUANTIZED:
+                backend.draft = backend._quantized_copy(speculative["draft"])
             elif speculative["draft"] != "prompt-lookup":
                 backend.draft = DeepSpeedBackend.from_hf(speculative["draft"], dtype=resolved, device=device,
                                                          compile=compile)
@@ -137,7 +137,7 @@ class DeepSpeedBackend(HFBackend):
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         weight = self.model.transformer.h[0].attention.attn_qkvw
         if weight.dtype == torch.uint8:
-            return {"decode": "int4 torch", "prefill": "int4 torch"}
+            return {"decode": f"int4 {weight.int4.layout}", "prefill": f"int4 {weight.int4.layout}"}
         return kernels.paths(self.dtype, batch, prompt_len, int8=weight.dtype == torch.int8)
 
     def decoder(self, batch: int, max_length: int) -> HFDecoder:
@@ -187,11 +187,11 @@ class DeepSpeedBackend(HFBackend):
                         "tokens_per_round": stats.tokens_per_round}
         return result
 
-    def _int8_copy(self) -> DeepSpeedBackend:
-        """This backend with its layer linears in int8; every other tensor is shared, not copied."""
+    def _quantized_copy(self, kind: str) -> DeepSpeedBackend:
+        """This backend with its layer linears in `kind` (int8, int4); every other tensor is shared."""
         shared = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
         model = copy.deepcopy(self.model, memo=shared)
-        quantize_model(model, "int8", lm_head=False)
+        quantize_model(model, kind, lm_head=False)
         draft = copy.copy(self)
         draft.model, draft.draft, draft.speculative = model, None, None
         return draft
@@ -216,7 +216,7 @@ def check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, sp
     for key in ("k", "ngram"):
         if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], int) or spec[key] < 1):
             raise ConfigError(f"speculative {key} must be a positive integer, got {spec[key]!r}")
-    if spec["draft"] not in ("int8", "prompt-lookup"):
+    if spec["draft"] not in (*QUANTIZED, "prompt-lookup"):
         draft = read_hf_config(spec["draft"])  # a checkpoint dir: its own clear error if it is not one
         if draft.vocab_size != config.vocab_size:
             raise ConfigError(f"draft vocab_size {draft.vocab_size} != target vocab_size {config.vocab_size}")

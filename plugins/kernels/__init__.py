@@ -2,8 +2,8 @@
 
 The ladder, fastest first; each rung is a real path with its own tests:
 
-  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 and int8 steps;
-          more bf16 rows go to oneDNN
+  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 steps, int8 and
+          int4 linears of any row count; more bf16 rows go to oneDNN
   onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
           (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
@@ -71,11 +71,15 @@ class Probe:
 
     def int8(self, rows: int) -> str:
         """'avx512' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
-        if rows <= 1 and "avx512" in self.modules:
+        if "avx512" in self.modules:
             return "avx512"
         if rows <= 1 and "avx2" in self.modules:
             return "avx2"
         return "torch"
+
+    def int4(self, rows: int = 1) -> str:
+        """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu)."""
+        return "avx512" if "avx512" in self.modules else "torch"
 
     def kernel(self, impl: str):
         return self.modules[impl]
@@ -84,7 +88,8 @@ class Probe:
         """What ran, for results.json and the console: the rung and the choice per dtype and rows."""
         rows = (1, 4, 16, 128)
         return {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
-                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows}}
+                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows},
+                "int4": {r: self.int4(r) for r in rows}}
 
 
 def capabilities() -> dict:
@@ -118,7 +123,7 @@ def build(name: str):
         announce(f"building the {name} decode kernel with g++ (once per machine, ~25 s)...")
     flags = KERNEL_ISA[name][1]
     # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
-    header = hashlib.sha256(b"".join((CSRC / h).read_bytes() for h in ("common.h", "entry_points.h"))).hexdigest()[:16]
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:
         return load(f"decode_{name}", [str(CSRC / f"decode_{name}.cpp")], verbose=False,
                     extra_cflags=["-O3", "-fopenmp", *flags, f"-DCOMMON_H_SHA={header}"],
@@ -259,8 +264,9 @@ def paths(dtype: torch.dtype, batch: int, prompt_len: int, int8: bool = False) -
     if dtype != torch.bfloat16 or torch.cuda.is_available():
         return {"decode": "torch", "prefill": "torch"}
     p = probe()
-    decode = f"int8 {p.int8(batch)}" if int8 else p.bf16(batch)
-    return {"decode": decode, "prefill": p.bf16(batch * prompt_len)}
+    if int8:
+        return {"decode": f"int8 {p.int8(batch)}", "prefill": f"int8 {p.int8(batch * prompt_len)}"}
+    return {"decode": p.bf16(batch), "prefill": p.bf16(batch * prompt_len)}
 
 
 def slow_dtypes() -> list[str]:

@@ -1,6 +1,7 @@
 """`python -m plugins.kernels`: which linear implementation this machine runs, per dtype and rows.
 
-`--lower-rungs` prints the rungs below this machine's own (what `make test` forces in turn).
+`--lower-rungs` prints the rungs below this machine's own (what `make test` forces in turn);
+`--bench` times santacoder-1b's linears per implementation and row count (plugins.kernels.bench).
 """
 
 import argparse
@@ -10,9 +11,16 @@ from . import RUNGS, probe
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--lower-rungs", action="store_true", help="print the rungs below this machine's, one line")
+ap.add_argument("--bench", action="store_true", help="time santacoder-1b's linears (2 layers) per row count, ms")
 args = ap.parse_args()
 p = probe()
-if args.lower_rungs:
+if args.bench:
+    from .bench import bench
+
+    print(json.dumps(p.describe()["rung"]))
+    for row in bench():
+        print("  ".join(f"{k} {v:8.2f}" if isinstance(v, float) else f"{k} {v:3d}" for k, v in row.items()), flush=True)
+elif args.lower_rungs:
     print(" ".join(RUNGS[RUNGS.index(p.rung) + 1:]))
 else:
     print(json.dumps(p.describe(), indent=1))

@@ -1,11 +1,12 @@
 """Weight-only quantization; activations stay bf16/fp32.
 
 Decode at small batch is bound by reading weights. int8 (per-output-channel symmetric scales) halves
-the bytes of bf16: one bf16 row runs our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI
-or AVX2), otherwise torch's own `aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside
-the kernel. int4 (groups of INT4_GROUP input channels, a scale and a zero point each) quarters them:
-torch's CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`; an AVX512-VNNI kernel of ours measured
-slower: 2.83 vs 2.48 ms for 127M weights at one row, 26.8 vs 13.6 ms at 16).
+the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI:
+any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX2: one row), otherwise torch's own
+`aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel. int4 (groups of
+INT4_GROUP input channels, a scale and a zero point each) quarters them: our AVX512-VNNI kernel on
+bf16 activations (its own pack, read as stored), else torch's CPU int4 kernel
+(`aten._weight_int4pack_mm_for_cpu`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
             bias is None or bias.dtype == torch.bfloat16):
         impl = probe().int8(choice_rows(x2.shape[0]))
-    if impl != "torch":  # one row (a decode step at batch 1): our kernel, ~1.6x torch's int8 GEMV
+    if impl != "torch":  # our kernel: avx512 any rows, avx2 one row
         out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows; dequantizing
@@ -80,13 +81,20 @@ INT4_GROUP = 128
 
 @dataclass
 class Int4Weight:
-    """A [N, K] weight as (q - 8) * scale + zero per group of INT4_GROUP inputs, q in 0..15, in torch's
-    CPU int4 pack (`aten._convert_weight_to_int4pack_for_cpu`: N padded to 64, K to a whole group), with
-    `scale_zeros` [G, N', 2] in the activations' dtype, as its kernel takes them."""
+    """A [N, K] weight on the int4_grid of groups of INT4_GROUP inputs, in one of two packs:
+
+    weight = (q - 8) * scale + zero (q in 0..15), in one of two packs:
+
+    - "avx512" (bf16 activations where `probe().int4()` names our kernel): `packed` uint8 [T, K' / 4,
+      128] in the kernel's order (pack_int4_tiles), `scale_zeros` [T, G, 2, 64] bf16: per tile of 64
+      columns and group, the scales then the zero points;
+    - "torch": torch's CPU int4 pack (`aten._convert_weight_to_int4pack_for_cpu`: N padded to 64, K
+      to a whole group), `scale_zeros` [G, N', 2] in the activations' dtype, as its kernel takes them."""
 
     shape: tuple[int, int]
     packed: torch.Tensor
     scale_zeros: torch.Tensor
+    layout: str = "torch"
 
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,22 +108,47 @@ def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, scales, lo
 
 
+TILE = 64  # output columns per tile of our int4 kernel
+
+
+def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, G, INT4_GROUP] (0..15), scales and zeros [N, G] -> our kernel's pack (see csrc/tiles_avx512.h):
+    per tile of 64 columns and 4 inputs, 128 bytes: columns 0-15 | 16-31 << 4, then 32-47 | 48-63 << 4,
+    each column 4 bytes of consecutive inputs (vpdpbusd's layout); and bf16 [T, G, 2, 64] scales, zeros."""
+    n, groups, _ = q.shape
+    tiles, k4 = -(-n // TILE), groups * INT4_GROUP // 4
+    q = F.pad(q, (0, 0, 0, 0, 0, tiles * TILE - n)).reshape(tiles, 4, 16, k4, 4).permute(0, 3, 1, 2, 4)
+    packed = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(tiles, k4, 128).contiguous()
+    params = F.pad(torch.stack([scales, zeros], -1), (0, 0, 0, 0, 0, tiles * TILE - n))
+    return packed, params.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous().to(torch.bfloat16)
+
+
 def quantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    """weight [N, K] -> Int4Weight (the int4_grid levels); `dtype`: the activations'."""
+    """weight [N, K] -> Int4Weight (the int4_grid levels) for activations of `dtype`, in the pack of the
+    kernel that will run it here."""
     n, k = weight.shape
     q, scales, lo = int4_grid(weight)
+    zeros = lo + 8 * scales  # (q - 8) * scale + zero: the zero point is mid-range, small, cheap to round
+    if dtype == torch.bfloat16 and weight.device.type == "cpu" and probe().int4() != "torch":
+        packed, params = pack_int4_tiles(q, scales, zeros)
+        return Int4Weight((n, k), packed, params, probe().int4())
     q = F.pad(q.view(n, -1), (0, 0, 0, -n % 64)).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    zeros = lo + 8 * scales  # torch's convention: (q - 8) * scale + zero
     scale_zeros = F.pad(torch.stack([scales, zeros], -1), (0, 0, 0, 0, 0, -n % 64)).transpose(0, 1)
     return Int4Weight((n, k), packed, scale_zeros.contiguous().to(dtype))
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
-    """F.linear with an Int4Weight (then tanh GELU if asked), by torch's CPU int4 kernel: any rows (its
-    rows are computed alike whatever their number: measured bit-identical here)."""
+    """F.linear with an Int4Weight (then tanh GELU if asked): our kernel on its pack, else torch's CPU
+    int4 kernel. Both compute a row alike whatever the number of rows (tested bit for bit)."""
     shape, (n, k) = x.shape, w.shape
-    x2, padded = x.reshape(-1, k), w.scale_zeros.shape[0] * INT4_GROUP
+    x2 = x.reshape(-1, k)
+    if w.layout != "torch":
+        if x2.dtype != torch.bfloat16:
+            raise TypeError(f"this int4 weight was packed for bf16 activations, got {x2.dtype}")
+        out = probe().kernel(w.layout).linear_int4(x2.contiguous(), w.packed, w.scale_zeros, n, bias, gelu)
+        return out.reshape(*shape[:-1], n)
+    padded = w.scale_zeros.shape[0] * INT4_GROUP
     if padded != k:  # a K that is not a whole number of groups (never santacoder's): zero inputs
         x2 = F.pad(x2, (0, padded - k))
     x2 = x2.to(w.scale_zeros.dtype).contiguous()

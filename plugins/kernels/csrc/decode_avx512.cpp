@@ -101,21 +101,27 @@ void row_bf16(const bf16* x, const bf16* w, int64_t M, int64_t K, float* dot) {
 // unsigned operand on the weight side: w + 128 (the int8 weight with its top bit flipped), and
 // sum_k w q = 256 * sum (w + 128) hi + sum (w + 128) lo - 128 * sum q. Integer sums are exact.
 struct FixedPointRows {
-  int64_t K64;                 // K rounded up to 64 (zero padded: padded lanes add nothing)
+  int64_t K64;                 // K rounded up to a multiple of 64 (zero padded: padded lanes add nothing)
   std::vector<int8_t> hi, lo;  // [M, K64]
   std::vector<float> scale;    // sx per row
   std::vector<int64_t> sum;    // sum of q per row
+  int64_t group = 0;           // if set, group_sum[m * K64 / group + g]: sum of q over inputs of group g
+  std::vector<int32_t> group_sum;
 };
 
 // The scalar fixed_point_scale / to_fixed_point (common.h), 16 lanes at a time: the same scale (a max
 // is exact), the same q (one division and a round-to-nearest-even conversion, as std::nearbyint).
-FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
+// `group` (a multiple of 64, or 0): pad K to whole groups and keep each group's sum of q.
+FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K, int64_t group = 0) {
   FixedPointRows f;
-  f.K64 = (K + 63) / 64 * 64;
+  const int64_t pad = group ? group : 64;
+  f.K64 = (K + pad - 1) / pad * pad;
   f.hi.assign(M * f.K64, 0);
   f.lo.assign(M * f.K64, 0);
   f.scale.assign(M, 0.0f);
   f.sum.assign(M, 0);
+  f.group = group;
+  if (group) f.group_sum.assign(M * f.K64 / group, 0);
   for (int64_t m = 0; m < M; ++m) {
     const bf16* row = x + m * K;
     __m512 amax = _mm512_setzero_ps();
@@ -140,6 +146,7 @@ FixedPointRows to_fixed_point_rows(const bf16* x, int64_t M, int64_t K) {
       _mm512_mask_cvtepi32_storeu_epi8(hi + k, keep, h);
       _mm512_mask_cvtepi32_storeu_epi8(lo + k, keep, _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8)));
       total = _mm512_add_epi32(total, q);  // |q| <= 32000: a lane sums K / 16 of them, far from 2^31
+      if (group) f.group_sum[(m * f.K64 + k) / group] += _mm512_reduce_add_epi32(q);
     }
     f.sum[m] = _mm512_reduce_add_epi32(total);
   }
@@ -169,6 +176,11 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
     dot[m] = (float)((double)sum * f.scale[m0 + m]);
   }
 }
+
+#include "tiles_avx512.h"
+
+#define INT8_ROWS linear_int8_rows
+#define INT4_LINEAR linear_int4
 
 }  // namespace
 

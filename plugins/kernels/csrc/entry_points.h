@@ -1,7 +1,9 @@
 // The Python entry points of a decode kernel, included at the end of each ISA's source after it
 // has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)`,
 // `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`; and
-// may define FINISH_ROW, a vectorized decode::finish_row_scalar.
+// may define FINISH_ROW, a vectorized decode::finish_row_scalar, and INT8_ROWS, an int8 linear for
+// more than one row (x, weight, scales, bias, gelu) whose outputs equal the one-row path's, and
+// INT4_LINEAR (bound as `linear_int4`).
 #pragma once
 
 #ifndef FINISH_ROW
@@ -33,6 +35,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
                           c10::optional<torch::Tensor> bias, bool gelu) {
   decode::check_inputs(x, weight, at::kChar);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+#ifdef INT8_ROWS
+  if (M > 1)
+    return INT8_ROWS(x, weight, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"), gelu);
+#endif
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<decode::bf16>(), M, K);  // once, read by every weight row
   const int8_t* wp = weight.data_ptr<int8_t>();
   return decode::for_each_output(x, N, decode::vector_ptr(scales, N, "scales"), decode::vector_ptr(bias, N, "bias"),
@@ -43,4 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
   m.def("linear", &linear, (std::string("bf16 decode linear (") + ISA + ")").c_str());
   m.def("linear_int8", &linear_int8, (std::string("int8 weight decode linear, bf16 in and out (") + ISA + ")").c_str());
+#ifdef INT4_LINEAR
+  m.def("linear_int4", &INT4_LINEAR, (std::string("int4 weight linear, bf16 in and out (") + ISA + ")").c_str());
+#endif
 }
