@@ -46,7 +46,9 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows; dequantizing
     # (plus packing for oneDNN) costs a fixed ~2 passes over the weight. Measured, 8 santacoder-1b
     # linears in bf16: 128 rows 79 vs 193 ms, 512 rows 326 vs 276 ms: from 256 rows, dequantize.
-    if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS:
+    # aten._weight_int8pack_mm (CPU, torch 2.13) segfaults when K is not a multiple of 16 (tested)
+    if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS or (
+            x2.device.type == "cpu" and shape[-1] % 16):
         out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
