@@ -77,7 +77,7 @@ class Probe:
             return "avx2"
         return "torch"
 
-    def int4(self, rows: int = 1) -> str:
+    def int4(self) -> str:
         """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu)."""
         return "avx512" if "avx512" in self.modules else "torch"
 
@@ -89,7 +89,7 @@ class Probe:
         rows = (1, 4, 16, 128)
         return {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
                 "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows},
-                "int4": {r: self.int4(r) for r in rows}}
+                "int4": self.int4()}
 
 
 def capabilities() -> dict:

@@ -83,9 +83,8 @@ INT4_GROUP = 128
 
 @dataclass
 class Int4Weight:
-    """A [N, K] weight on the int4_grid of groups of INT4_GROUP inputs, in one of two packs:
-
-    weight = (q - 8) * scale + zero (q in 0..15), in one of two packs:
+    """A [N, K] weight on the int4_grid of groups of INT4_GROUP inputs, weight = (q - 8) * scale + zero
+    (q in 0..15), in one of two packs:
 
     - "avx512" (bf16 activations where `probe().int4()` names our kernel): `packed` uint8 [T, K' / 4,
       128] in the kernel's order (pack_int4_tiles), `scale_zeros` [T, G, 2, 64] bf16: per tile of 64
