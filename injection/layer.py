@@ -7,7 +7,7 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
 
 - linear layers: on CPU the weights are stored [out, in] (nn.Linear's layout) under DeepSpeed's
   [in, out] parameter names, and `plugins.kernels.linear` runs what the CPU's probe picked for
-  this many rows: our decode kernels (one streaming pass over the weight), oneDNN-packed bf16,
+  this many rows: our kernels (bf16 on weights packed once per layer), oneDNN-packed bf16,
   or fp32 where bf16 has no fast GEMM; GELU fused into the first MLP GEMM. fp32 uses `F.linear`
   (bit-for-bit HF's GEMM).
 - weight-only int8 / int4 (`quantize`, the backend's `quantize="int8" | "int4"`): DeepSpeed's own

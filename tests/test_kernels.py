@@ -29,12 +29,19 @@ def kernel(name):
     return module
 
 
+def bf16_linear(name, x, w, bias, gelu):
+    """Kernel `name`'s bf16 linear: avx512's on the weight packed for it, avx2's on the weight as stored."""
+    if name == "avx512":
+        return kernel(name).linear_tiles(x, kernels.pack_bf16_tiles(w), w.shape[0], bias, gelu)
+    return kernel(name).linear(x, w, bias, gelu)
+
+
 # --- the probe ------------------------------------------------------------------------------------
 
 def test_ladder_decisions_per_rung():
     """Which implementation each rung gives bf16 and int8 linears, by number of rows."""
     avx512 = Probe("avx512", True, modules={"avx512": object()})
-    assert [avx512.bf16(r) for r in (1, 2, 16, 512)] == ["avx512", "onednn", "onednn", "onednn"]
+    assert [avx512.bf16(r) for r in (1, 2, 16, 512)] == ["avx512"] * 4
     assert [avx512.int8(r) for r in (1, 2, 16, 512)] == ["avx512"] * 4
     onednn = Probe("onednn", True, modules={"avx2": object()})
     assert [onednn.bf16(r) for r in (1, 16, 512)] == ["onednn"] * 3
@@ -83,7 +90,7 @@ def test_onednn_bf16_check_agrees_with_packing():
 # --- each compiled kernel ---------------------------------------------------------------------------
 
 @per_kernel
-@pytest.mark.parametrize("function", ["linear", "linear_fp32"])  # the decode kernel; converted tiles + fp32 GEMM
+@pytest.mark.parametrize("function", ["linear", "linear_fp32"])  # the kernel's own; converted tiles + fp32 GEMM
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 96), (6, 40, 33),
                                                             (16, 24, 70), (40, 520, 2050), (7, 9, 70000)])
 @pytest.mark.parametrize("gelu", [False, True])
@@ -96,7 +103,7 @@ def test_kernel_bf16_matches_fp32_reference(name, function, rows, out_features, 
     ref = nn.functional.linear(x.float(), w.float(), bias.float())
     if gelu:
         ref = nn.functional.gelu(ref, approximate="tanh")
-    out = getattr(kernel(name), function)(x, w, bias, gelu)
+    out = bf16_linear(name, x, w, bias, gelu) if function == "linear" else kernel(name).linear_fp32(x, w, bias, gelu)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     # bf16 rounding of the result (2^-8 relative) plus fp32 summation error
     assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * in_features ** 0.5)
@@ -107,14 +114,15 @@ def test_kernel_bf16_matches_fp32_reference(name, function, rows, out_features, 
 def test_kernel_rows_are_independent_of_the_batch(name, in_features, out_features):
     """Each output row is computed by the same instructions in the same order whatever M is (int8
     with several rows: exact integer sums in another order, the same epilogue; 1100 inputs span
-    three of its chunks, 130 outputs end in a partial tile)."""
-    x, w = torch.randn(11, in_features).bfloat16(), torch.randn(out_features, in_features).bfloat16()
+    three of its chunks, 130 outputs end in a partial tile; bf16 on avx512: 101 rows are two row
+    chunks of 96 and row tiles of 6, 259 inputs two blocks of pairs, the last pair half padding)."""
+    x, w = torch.randn(101, in_features).bfloat16(), torch.randn(out_features, in_features).bfloat16()
     q, scales = quantize_per_channel(w)
-    whole = kernel(name).linear(x, w, None, True)
+    whole = bf16_linear(name, x, w, None, True)
     whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
-    for i in range(11):
+    for i in (0, 4, 5, 6, 11, 95, 96, 100):
         row = x[i:i + 1].contiguous()
-        assert torch.equal(kernel(name).linear(row, w, None, True), whole[i:i + 1])
+        assert torch.equal(bf16_linear(name, row, w, None, True), whole[i:i + 1])
         assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
 
 
@@ -172,7 +180,7 @@ def test_linear_runs_the_probes_choice(rows):
     impl = kernels.probe().bf16(rows)
     out = kernels.linear(x, w, b, True, packs)
     if impl in ("avx512", "avx2"):
-        want = kernels.probe().kernel(impl).linear(x[0].contiguous(), w, b, True)[None]
+        want = bf16_linear(impl, x[0].contiguous(), w, b, True)[None]
     elif impl == "onednn":
         want = torch.ops.mkldnn._linear_pointwise(x, packs.get(w), b, "gelu", [], "tanh")
     elif impl == "fp32" and kernels.probe().modules:  # tiles converted per thread, fp32 GEMM

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -351,12 +352,15 @@ def test_compat_linears_run_the_probes_choice():
     w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     kw = dict(bias=b, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
               tp_group=None, grad_output_buffer=None)
+    linear = types.SimpleNamespace()  # stands in for the module: ours keeps its weight packs on it
     with torch.inference_mode():
         for rows in (1, 3, 40):
             x = torch.randn(rows, 1, 64).bfloat16()
             want = (kernels.linear(x, w, b) if kernels.probe().bf16(rows) in ("avx512", "avx2", "fp32")
                     else upstream(None, input=x, weight=w, **kw))
-            assert torch.equal(impl(None, input=x, weight=w, **kw), want)
+            assert torch.equal(impl(linear, input=x, weight=w, **kw), want)
+        if kernels.probe().bf16(1) == "avx512":
+            assert len(linear._decode_packs.packed) == 1  # packed once, reused at every row count
         x = torch.randn(3, 1, 64)  # fp32: always upstream
         assert torch.equal(impl(None, input=x, weight=w.float(), **{**kw, "bias": b.float()}),
                            upstream(None, input=x, weight=w.float(), **{**kw, "bias": b.float()}))

@@ -2,8 +2,8 @@
 
 The ladder, fastest first; each rung is a real path with its own tests:
 
-  avx512  our kernel (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: one-row bf16 steps, int8 and
-          int4 linears of any row count; more bf16 rows go to oneDNN
+  avx512  our kernels (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: bf16, int8 and int4 linears of
+          any row count (bf16 on weights packed once for vdpbf16ps: csrc/gemm_bf16_avx512.h)
   onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
           (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
@@ -61,8 +61,10 @@ class Probe:
 
     def bf16(self, rows: int) -> str:
         """'avx512' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights), 'torch'."""
-        if rows <= 1 and self.rung in ("avx512", "avx2"):
-            return self.rung
+        if self.rung == "avx512":
+            return "avx512"
+        if rows <= 1 and self.rung == "avx2":
+            return "avx2"
         if rows <= KERNEL_ROWS and self.rung == "avx2":
             return "avx2"
         if self.bf16_gemm:
@@ -180,21 +182,35 @@ def reset() -> None:
     _PROBE = None
 
 
+TILE_COLS = 64  # output columns per packed tile of our bf16 GEMM
+
+
+def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded: per tile of 64 output columns, each
+    pair of consecutive inputs is 64 columns x 2 bf16 (vdpbf16ps's operand layout), one stream per tile."""
+    n, k = weight.shape
+    tiles, pairs = -(-n // TILE_COLS), -(-k // 2)
+    padded = F.pad(weight, (0, 2 * pairs - k, 0, tiles * TILE_COLS - n))
+    return padded.view(tiles, TILE_COLS, pairs, 2).transpose(1, 2).contiguous()
+
+
 class PackedWeights:
-    """oneDNN-packed copies of bf16 weights ([out, in]), made on first use, kept per weight storage."""
+    """Packed copies of bf16 weights ([out, in]) for our GEMM ('avx512') or oneDNN's ('onednn'), made on
+    first use, kept per weight storage."""
 
     def __init__(self):
         self.packed = {}
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), tuple(weight.shape))
+    def get(self, weight: torch.Tensor, impl: str = "onednn") -> torch.Tensor:
+        key = (weight.data_ptr(), tuple(weight.shape), impl)
         entry = self.packed.get(key)
         if entry is None:
-            # Batch hint: 16 where one-row steps run our kernel (~5 % faster than 1 at 16 rows here),
-            # else 1 (the fastest for one row).
-            hint = 16 if probe().bf16(1) != "onednn" else 1
+            if impl == "avx512":
+                pack = pack_bf16_tiles(weight)
+            else:  # batch hint 1: oneDNN's fastest for one row
+                pack = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             # the weight is kept with its pack: its storage (the key) cannot be freed and reused
-            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint))
+            entry = (weight, pack)
             self.packed[key] = entry
         return entry[1]
 
@@ -206,7 +222,8 @@ _ROWS_ALONE = False  # plain global, as _PROBE
 def rows_alone():
     """Inside, a CPU linear computes every row with the arithmetic one row gets alone (our kernels are
     row-invariant: each output takes the same instructions in the same order whatever the row count),
-    so a speculative verify of k + 1 tokens reproduces k + 1 one-token steps bit for bit."""
+    so a speculative verify of k + 1 tokens reproduces k + 1 one-token steps bit for bit. (On the avx512
+    rung every row count already runs that way.)"""
     global _ROWS_ALONE
     before, _ROWS_ALONE = _ROWS_ALONE, True
     try:
@@ -240,7 +257,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     bf16 on CPU runs the probe's choice for this many rows; everything else is `F.linear`."""
     impl = bf16_choice(x)
-    if impl in ("avx512", "avx2"):
+    if impl == "avx512":  # without `packs`, the weight is packed for this call only
+        packed = (packs or PackedWeights()).get(weight, impl)
+        out = probe().kernel(impl).linear_tiles(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0],
+                                                bias, gelu)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if impl == "avx2":
         out = probe().kernel(impl).linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
         return out.view(*x.shape[:-1], weight.shape[0])
     if impl == "onednn":

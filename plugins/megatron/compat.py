@@ -45,8 +45,8 @@ def apply() -> None:
     # linear (QKV, projections, MLP, output layer) runs F.linear, whose batch-1 bf16 GEMV streams
     # weights at ~20 GB/s here, and whose multi-row bf16 GEMM has no fast path on CPUs without
     # oneDNN bf16 (AVX2). bf16 without autograd goes where `plugins.kernels.probe()` says: our
-    # decode kernels, or fp32 on converted weights, on the weight as megatron stores it,
-    # [out / tp, in]; oneDNN and the rest stay upstream.
+    # kernels (their packs kept on the linear module, as long as it lives), or fp32 on converted
+    # weights, on the weight as megatron stores it, [out / tp, in]; oneDNN and the rest stay upstream.
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     for cls in (ColumnParallelLinear, RowParallelLinear):
         ORIGINAL[f"{cls.__name__}._forward_impl"] = cls._forward_impl
@@ -60,7 +60,8 @@ def _make_decode_forward_impl(upstream):
         if (weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and not args and weight.is_contiguous()
                 and (bias is None or bias.dtype == torch.bfloat16)
                 and kernels.bf16_choice(input) in ("avx512", "avx2", "fp32")):
-            return kernels.linear(input, weight, bias)
+            packs = self.__dict__.setdefault("_decode_packs", kernels.PackedWeights())
+            return kernels.linear(input, weight, bias, packs=packs)
         return upstream(self, input, weight, *args, **kwargs)
 
     return _forward_impl

@@ -1,8 +1,8 @@
-// Decode linears on x86 CPUs with AVX512-BF16 and AVX512-VNNI (see common.h for the scheme).
-//   linear:      bf16 weights, vdpbf16ps with fp32 accumulation.
-//   linear_int8: int8 weights (per-row scales), integer dot products (see FixedPointRows).
-// oneDNN's packed GEMV streams ~28-33 GB/s on 2 cores here, where a plain read gets 31-61 GB/s;
-// this kernel reads at 85-90 % of a plain read.
+// Linears on x86 CPUs with AVX512-BF16 and AVX512-VNNI, any row count:
+//   linear_tiles: bf16 weights packed for vdpbf16ps, fp32 accumulation (gemm_bf16_avx512.h).
+//   linear_int8:  int8 weights (per-row scales), integer dot products (see FixedPointRows); one row
+//                 here (see common.h for the scheme), more in tiles_avx512.h.
+//   linear_int4:  int4 weights in groups, packed for vpdpbusd (tiles_avx512.h).
 #include <immintrin.h>
 
 #include "common.h"
@@ -12,11 +12,6 @@ namespace {
 using namespace decode;
 
 constexpr const char* ISA = "AVX512-BF16 / VNNI";
-
-inline __m512bh load_bf16(const bf16* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1), p);  // zero-filled tail
-}
 
 inline __m512 load16_ps(const bf16* p, int64_t remaining) {  // 16 bf16 -> fp32, zero past `remaining`
   const __mmask16 keep = remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
@@ -55,44 +50,6 @@ void finish_row(const float* dot, int64_t count, const bf16* scales, const bf16*
 }
 
 #define FINISH_ROW finish_row
-
-// dot[m] = x[m, :] . w for MT input rows. Two accumulators per row (even / odd 32-element chunks,
-// unrolled so they stay in registers): two dependency chains of vdpbf16ps instead of one.
-template <int MT>
-void dots_bf16(const bf16* x, const bf16* w, int64_t K, float* dot) {
-  __m512 acc0[MT], acc1[MT];
-  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh wa = load_bf16(w + k, 32), wb = load_bf16(w + k + 32, 32);
-    for (int m = 0; m < MT; ++m) {
-      acc0[m] = _mm512_dpbf16_ps(acc0[m], load_bf16(x + m * K + k, 32), wa);
-      acc1[m] = _mm512_dpbf16_ps(acc1[m], load_bf16(x + m * K + k + 32, 32), wb);
-    }
-  }
-  for (; k < K; k += 32) {  // at most one full and one partial chunk
-    const __m512bh wv = load_bf16(w + k, K - k);
-    for (int m = 0; m < MT; ++m) acc0[m] = _mm512_dpbf16_ps(acc0[m], load_bf16(x + m * K + k, K - k), wv);
-  }
-  for (int m = 0; m < MT; ++m) dot[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-}
-
-// All M input rows against one weight row: 8 at a time (16 accumulators), then the rest at once.
-void row_bf16(const bf16* x, const bf16* w, int64_t M, int64_t K, float* dot) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) dots_bf16<8>(x + m * K, w, K, dot + m);
-  const bf16* xm = x + m * K;
-  switch (M - m) {
-    case 7: dots_bf16<7>(xm, w, K, dot + m); break;
-    case 6: dots_bf16<6>(xm, w, K, dot + m); break;
-    case 5: dots_bf16<5>(xm, w, K, dot + m); break;
-    case 4: dots_bf16<4>(xm, w, K, dot + m); break;
-    case 3: dots_bf16<3>(xm, w, K, dot + m); break;
-    case 2: dots_bf16<2>(xm, w, K, dot + m); break;
-    case 1: dots_bf16<1>(xm, w, K, dot + m); break;
-    default: break;
-  }
-}
 
 // int8 weights. Widening int8 to fp32 in registers costs more instructions than the memory
 // system leaves time for, so the product is done in integers with vpdpbusd (u8 x s8 -> int32):
@@ -178,9 +135,11 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
 }
 
 #include "tiles_avx512.h"
+#include "gemm_bf16_avx512.h"
 
 #define INT8_ROWS linear_int8_rows
 #define INT4_LINEAR linear_int4
+#define BF16_TILES_LINEAR linear_bf16_tiles
 
 }  // namespace
 

@@ -1,5 +1,6 @@
 // The Python entry points of a decode kernel, included at the end of each ISA's source after it
-// has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)`,
+// has defined, in its anonymous namespace: `ISA` (a name), `row_bf16(x, w, M, K, dot)` (unless it has
+// BF16_TILES_LINEAR, a bf16 linear on packed weights bound as `linear_tiles` instead of `linear`),
 // `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`; and
 // may define FINISH_ROW, a vectorized decode::finish_row_scalar, and INT8_ROWS, an int8 linear for
 // more than one row (x, weight, scales, bias, gelu) whose outputs equal the one-row path's, and
@@ -20,6 +21,7 @@ void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, fl
 
 }  // namespace
 
+#ifndef BF16_TILES_LINEAR
 // x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
   decode::check_inputs(x, weight, at::kBFloat16);
@@ -29,6 +31,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   return decode::for_each_output(x, weight.size(0), nullptr, decode::vector_ptr(bias, weight.size(0), "bias"), gelu,
                                  [&](int64_t n, float* dot) { row_bf16(xp, wp + n * K, M, K, dot); }, FINISH_ROW);
 }
+#endif
 
 // x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
@@ -47,7 +50,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor s
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
+#ifdef BF16_TILES_LINEAR
+  m.def("linear_tiles", &BF16_TILES_LINEAR, (std::string("bf16 linear on packed tiles, any rows (") + ISA + ")").c_str());
+#else
   m.def("linear", &linear, (std::string("bf16 decode linear (") + ISA + ")").c_str());
+#endif
   m.def("linear_int8", &linear_int8, (std::string("int8 weight decode linear, bf16 in and out (") + ISA + ")").c_str());
 #ifdef INT4_LINEAR
   m.def("linear_int4", &INT4_LINEAR, (std::string("int4 weight linear, bf16 in and out (") + ISA + ")").c_str());
