@@ -87,6 +87,17 @@ def test_onednn_bf16_check_agrees_with_packing():
     assert kernels.onednn_packs_bf16() == packs
 
 
+def test_bf16_tiles_pack_layout():
+    """Our bf16 GEMM's pack (built on any CPU, run on avx512): tile t, pair p, column c, half j holds
+    weight[64 t + c, 2 p + j], zero past N and K."""
+    w = torch.randn(70, 5).bfloat16()  # a partial second tile, an odd K
+    packed = kernels.pack_bf16_tiles(w)
+    assert packed.shape == (2, 3, 64, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    for t, p, c, j in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 2, 5, 0), (1, 0, 3, 1)]:
+        assert packed[t, p, c, j] == w[64 * t + c, 2 * p + j]
+    assert not packed[0, 2, :, 1].any() and not packed[1, :, 6:].any()  # padding: K's 6th input, rows 70..127
+
+
 # --- each compiled kernel ---------------------------------------------------------------------------
 
 @per_kernel
