@@ -76,6 +76,22 @@ def test_forced_rung_caps_the_probe(monkeypatch):
     assert kernels.probe() == native
 
 
+def test_cpus_without_bf16_instructions_skip_onednn(monkeypatch):
+    """oneDNN's emulated bf16 GEMM is slower than the avx2 rung's paths: without AVX512-BF16 / AMX-BF16 /
+    AVX-NE-CONVERT the probe never picks it (the caps as this CPU reports them, bf16 flags cleared)."""
+    caps = {k: v and k not in kernels.BF16_INSTRUCTIONS for k, v in kernels.capabilities().items()}
+    monkeypatch.setattr(kernels, "capabilities", lambda: caps)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    try:
+        kernels.reset()
+        p = kernels.probe()
+        assert not p.bf16_gemm and p.rung != "onednn" and "onednn" not in p.describe()["bf16"].values()
+        assert not kernels.has_bf16_instructions(caps)
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+
+
 def test_onednn_bf16_check_agrees_with_packing():
     """The probe's oneDNN answer is what packing really does on this CPU."""
     try:

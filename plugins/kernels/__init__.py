@@ -4,8 +4,9 @@ The ladder, fastest first; each rung is a real path with its own tests:
 
   avx512  our kernels (csrc/decode_avx512.cpp), AVX512-BF16 + VNNI: bf16, int8 and int4 linears of
           any row count (bf16 on weights packed once for vdpbf16ps: csrc/gemm_bf16_avx512.h)
-  onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), wherever oneDNN can pack bf16
-          (AVX512BW/VL/DQ or AVX-NE-CONVERT); int8 one-row steps on the avx2 kernel
+  onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), where oneDNN can pack bf16 and
+          the CPU has bf16 instructions (AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT); int8 one-row
+          steps on the avx2 kernel
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
           int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
   torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
@@ -14,7 +15,8 @@ The ladder, fastest first; each rung is a real path with its own tests:
 (a build failure warns once and steps down), capped by the environment variable
 PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
 
-bf16 without a fast bf16 GEMM (no oneDNN bf16: AVX2 CPUs, or a forced rung below onednn): products
+bf16 without a fast bf16 GEMM (AVX2 CPUs, AVX512 CPUs without bf16 instructions, or a forced rung
+below onednn): products
 with more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
 rows (~1 MB) into its own buffer and runs torch's fp32 GEMM on it (csrc/common.h), so no copy of
 the weight is ever made and bf16 is no slower than fp32 (measured faster: it reads half the bytes).
@@ -98,6 +100,17 @@ def capabilities() -> dict:
     return torch.cpu.get_capabilities()  # torch's cpuinfo-based feature table
 
 
+# Without one of these oneDNN emulates bf16 with fp32 FMAs. Measured on an AVX512F Xeon without them (8
+# santacoder-1b linears, 2 threads): oneDNN 65 / 115 / 367 ms at 5 / 16 / 64 rows against 40 / 96 / 223
+# on the avx2 rung's paths (equal at one row), so such CPUs run the avx2 rung.
+BF16_INSTRUCTIONS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+
+
+def has_bf16_instructions(caps: dict | None = None) -> bool:
+    caps = capabilities() if caps is None else caps
+    return any(caps.get(flag, False) for flag in BF16_INSTRUCTIONS)
+
+
 def onednn_packs_bf16() -> bool:
     """Whether oneDNN has a fast bf16 GEMM here. It raises on CPUs without AVX512BW/VL/DQ or
     AVX-NE-CONVERT (e.g. AVX2-only EPYCs), and runs a slow path when ONEDNN_MAX_CPU_ISA caps it
@@ -163,7 +176,7 @@ def _decide() -> Probe:
     forced = forced_rung()
     allowed = RUNGS[RUNGS.index(forced):] if forced else RUNGS
     caps = capabilities()
-    bf16_gemm = "onednn" in allowed and onednn_packs_bf16()
+    bf16_gemm = "onednn" in allowed and has_bf16_instructions(caps) and onednn_packs_bf16()
     modules = {}
     for name in ("avx512", "avx2"):  # avx2 is also the onednn rung's int8 one-row kernel
         if name in allowed and "avx512" not in modules and supported(name, caps):
