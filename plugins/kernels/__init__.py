@@ -112,9 +112,9 @@ def has_bf16_instructions(caps: dict | None = None) -> bool:
 
 
 def onednn_packs_bf16() -> bool:
-    """Whether oneDNN has a fast bf16 GEMM here. It raises on CPUs without AVX512BW/VL/DQ or
-    AVX-NE-CONVERT (e.g. AVX2-only EPYCs), and runs a slow path when ONEDNN_MAX_CPU_ISA caps it
-    below AVX512: torch's own check, the cap, then a real 2x2 pack."""
+    """Whether oneDNN packs bf16 here (fast only with has_bf16_instructions()). It raises on CPUs
+    without AVX512BW/VL/DQ or AVX-NE-CONVERT (e.g. AVX2-only EPYCs), and runs a slow path when
+    ONEDNN_MAX_CPU_ISA caps it below AVX512: torch's own check, the cap, then a real 2x2 pack."""
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
