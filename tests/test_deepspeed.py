@@ -115,7 +115,7 @@ def test_deepspeed_bf16_speculative_equals_plain_greedy(name, ckpt_factory, padd
     """bf16, every draft kind, end to end. These small random models' top tokens are not close enough
     for a GEMM's bf16 rounding to flip them (this passes without rows_alone too): what makes the
     verify exact is checked on its logits, bit for bit, by the next test."""
-    if kernels.probe().bf16(1) not in ("avx512", "avx2"):
+    if kernels.probe().bf16(1) not in kernels.ROW_INVARIANT:
         pytest.skip(f"no row-invariant bf16 kernel on the {kernels.probe().rung} rung")
     _, ids, mask = padded_batch
     path = ckpt_factory(name)
@@ -132,7 +132,7 @@ def test_deepspeed_bf16_speculative_equals_plain_greedy(name, ckpt_factory, padd
 @pytest.mark.kernels
 @pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
 def test_bf16_verify_logits_equal_one_token_steps(name, ckpt_factory, padded_batch):
-    if kernels.probe().bf16(1) not in ("avx512", "avx2"):
+    if kernels.probe().bf16(1) not in kernels.ROW_INVARIANT:
         pytest.skip(f"no row-invariant bf16 kernel on the {kernels.probe().rung} rung")
     _, ids, mask = padded_batch
     ds = load_backend("deepspeed", ckpt_factory(name), dtype="bfloat16")

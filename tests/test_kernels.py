@@ -2,7 +2,7 @@
 fp32 reference, and what each rung computes end to end.
 
 Tests marked `kernels` are run by `make test` once natively and once with every lower rung forced
-(PLUGINS_KERNELS=onednn / avx2 / torch), so a machine with AVX512 covers the paths of AVX2-only
+(PLUGINS_KERNELS=onednn / avx512f / avx2 / torch), so a machine with AVX512 covers the paths of AVX2-only
 machines too. The kernel tests themselves run every kernel this CPU can execute, whatever the rung.
 """
 
@@ -20,6 +20,9 @@ pytestmark = pytest.mark.kernels
 RUNNABLE = [name for name in kernels.KERNEL_ISA if kernels.supported(name)]
 per_kernel = pytest.mark.parametrize("name", RUNNABLE or [pytest.param("none", marks=pytest.mark.skip(
     reason="CPU without AVX2/AVX512: no decode kernel runs here"))])
+INT8 = [name for name in RUNNABLE if name != "avx512f"]  # avx512f is bf16 only: its rung's int8 runs avx2's
+per_int8_kernel = pytest.mark.parametrize("name", INT8 or [pytest.param("none", marks=pytest.mark.skip(
+    reason="CPU without AVX2/AVX512: no decode kernel runs here"))])
 
 
 def kernel(name):
@@ -30,8 +33,9 @@ def kernel(name):
 
 
 def bf16_linear(name, x, w, bias, gelu):
-    """Kernel `name`'s bf16 linear: avx512's on the weight packed for it, avx2's on the weight as stored."""
-    if name == "avx512":
+    """Kernel `name`'s bf16 linear: avx512's and avx512f's on the weight packed for them, avx2's on the
+    weight as stored."""
+    if name in kernels.TILED:
         return kernel(name).linear_tiles(x, kernels.pack_bf16_tiles(w), w.shape[0], bias, gelu)
     return kernel(name).linear(x, w, bias, gelu)
 
@@ -46,6 +50,9 @@ def test_ladder_decisions_per_rung():
     onednn = Probe("onednn", True, modules={"avx2": object()})
     assert [onednn.bf16(r) for r in (1, 16, 512)] == ["onednn"] * 3
     assert [onednn.int8(r) for r in (1, 2)] == ["avx2", "torch"]
+    avx512f = Probe("avx512f", False, modules={"avx512f": object(), "avx2": object()})
+    assert [avx512f.bf16(r) for r in (1, 2, 16, 512)] == ["avx512f"] * 4
+    assert [avx512f.int8(r) for r in (1, 2)] == ["avx2", "torch"] and avx512f.int4() == "torch"
     avx2 = Probe("avx2", False, modules={"avx2": object()})
     assert [avx2.bf16(r) for r in (1, KERNEL_ROWS, KERNEL_ROWS + 1)] == ["avx2", "avx2", "fp32"]
     assert [avx2.int8(r) for r in (1, 2)] == ["avx2", "torch"]
@@ -62,13 +69,13 @@ def test_forced_rung_caps_the_probe(monkeypatch):
             kernels.reset()
             p = kernels.probe()
             assert p.forced == rung and kernels.RUNGS.index(p.rung) >= kernels.RUNGS.index(rung)
-            if rung in ("avx2", "torch"):
+            if rung in ("avx512f", "avx2", "torch"):
                 assert not p.bf16_gemm  # as on an AVX2-only CPU: no oneDNN bf16
             if rung == "torch":
                 assert p.modules == {}
         monkeypatch.setenv(kernels.ENV, "avx9000")
         kernels.reset()
-        with pytest.raises(ValueError, match="PLUGINS_KERNELS='avx9000': expected one of avx512, onednn, avx2, torch"):
+        with pytest.raises(ValueError, match="PLUGINS_KERNELS='avx9000': expected one of avx512, onednn, avx512f, avx2, torch"):
             kernels.probe()
     finally:
         monkeypatch.undo()
@@ -77,8 +84,9 @@ def test_forced_rung_caps_the_probe(monkeypatch):
 
 
 def test_cpus_without_bf16_instructions_skip_onednn(monkeypatch):
-    """oneDNN's emulated bf16 GEMM is slower than the avx2 rung's paths: without AVX512-BF16 / AMX-BF16 /
-    AVX-NE-CONVERT the probe never picks it (the caps as this CPU reports them, bf16 flags cleared)."""
+    """oneDNN's emulated bf16 GEMM is slower than our kernels: without AVX512-BF16 / AMX-BF16 /
+    AVX-NE-CONVERT the probe never picks it (the caps as this CPU reports them, bf16 flags cleared);
+    an AVX512 CPU runs the avx512f rung instead."""
     caps = {k: v and k not in kernels.BF16_INSTRUCTIONS for k, v in kernels.capabilities().items()}
     monkeypatch.setattr(kernels, "capabilities", lambda: caps)
     monkeypatch.delenv(kernels.ENV, raising=False)
@@ -87,6 +95,8 @@ def test_cpus_without_bf16_instructions_skip_onednn(monkeypatch):
         p = kernels.probe()
         assert not p.bf16_gemm and p.rung != "onednn" and "onednn" not in p.describe()["bf16"].values()
         assert not kernels.has_bf16_instructions(caps)
+        if kernels.supported("avx512f", caps) and "avx512f" in p.modules:  # (it built)
+            assert p.rung == "avx512f" and set(p.describe()["bf16"].values()) == {"avx512f"}
     finally:
         monkeypatch.undo()
         kernels.reset()
@@ -137,23 +147,35 @@ def test_kernel_bf16_matches_fp32_reference(name, function, rows, out_features, 
 
 
 @per_kernel
+def test_kernel_rounds_to_bf16_as_torch(name):
+    """One input: each dot is one exact product, so the output is torch's own rounding of
+    product + bias to bf16, bit for bit (nearest, ties to even: 4096 outputs hold ~16 ties)."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 1, generator=gen).bfloat16(), torch.randn(64, 1, generator=gen).bfloat16()
+    bias = torch.randn(64, generator=gen).bfloat16()
+    want = (x.float() @ w.float().t() + bias.float()).bfloat16()
+    assert torch.equal(bf16_linear(name, x, w, bias, False), want)
+
+
+@per_kernel
 @pytest.mark.parametrize("in_features,out_features", [(259, 52), (1100, 130)])
 def test_kernel_rows_are_independent_of_the_batch(name, in_features, out_features):
     """Each output row is computed by the same instructions in the same order whatever M is (int8
     with several rows: exact integer sums in another order, the same epilogue; 1100 inputs span
-    three of its chunks, 130 outputs end in a partial tile; bf16 on avx512: 101 rows are two row
+    three of its chunks, 130 outputs end in a partial tile; bf16 on avx512 / avx512f: 101 rows are two row
     chunks of 96 and row tiles of 6, 259 inputs two blocks of pairs, the last pair half padding)."""
     x, w = torch.randn(101, in_features).bfloat16(), torch.randn(out_features, in_features).bfloat16()
     q, scales = quantize_per_channel(w)
     whole = bf16_linear(name, x, w, None, True)
-    whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
+    whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False) if name in INT8 else None
     for i in (0, 4, 5, 6, 11, 95, 96, 100):
         row = x[i:i + 1].contiguous()
         assert torch.equal(bf16_linear(name, row, w, None, True), whole[i:i + 1])
-        assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
+        if whole8 is not None:
+            assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
 
 
-@per_kernel
+@per_int8_kernel
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 130),
                                                             (1, 16, 8200), (16, 200, 2050)])
 @pytest.mark.parametrize("gelu", [False, True])
@@ -176,7 +198,7 @@ def test_kernel_int8_matches_dequantized_reference(name, rows, out_features, in_
     assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1.2 * fixed_point + 1e-6)
 
 
-@per_kernel
+@per_int8_kernel
 def test_kernel_int8_saturated_sums_do_not_overflow(name):
     """Every weight at +127 and every activation at the fixed-point maximum: the largest sums there are."""
     K = 24576  # StarCoder's widest input (MLP c_proj)
@@ -187,7 +209,7 @@ def test_kernel_int8_saturated_sums_do_not_overflow(name):
     assert torch.allclose(out.float(), torch.full((1, 3), 127.0 * K), rtol=2 ** -8)
 
 
-@per_kernel
+@per_int8_kernel
 def test_kernel_nan_input_gives_nan_not_garbage(name):
     x = torch.randn(2, 64).bfloat16()
     x[1, 3] = float("nan")
@@ -206,7 +228,7 @@ def test_linear_runs_the_probes_choice(rows):
     packs = PackedWeights()
     impl = kernels.probe().bf16(rows)
     out = kernels.linear(x, w, b, True, packs)
-    if impl in ("avx512", "avx2"):
+    if impl in kernels.ROW_INVARIANT:
         want = bf16_linear(impl, x[0].contiguous(), w, b, True)[None]
     elif impl == "onednn":
         want = torch.ops.mkldnn._linear_pointwise(x, packs.get(w), b, "gelu", [], "tanh")

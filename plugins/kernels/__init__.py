@@ -7,6 +7,9 @@ The ladder, fastest first; each rung is a real path with its own tests:
   onednn  oneDNN-packed bf16 weights (`mkldnn._linear_pointwise`), where oneDNN can pack bf16 and
           the CPU has bf16 instructions (AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT); int8 one-row
           steps on the avx2 kernel
+  avx512f our bf16 GEMM of the avx512 rung on the same packed weights, AVX512F without bf16
+          instructions (csrc/decode_avx512f.cpp: weights widened to fp32 in registers, fp32 FMAs),
+          any row count; int8 / int4 as on the avx2 rung
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
           int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
   torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
@@ -15,9 +18,8 @@ The ladder, fastest first; each rung is a real path with its own tests:
 (a build failure warns once and steps down), capped by the environment variable
 PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
 
-bf16 without a fast bf16 GEMM (AVX2 CPUs, AVX512 CPUs without bf16 instructions, or a forced rung
-below onednn): products
-with more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
+bf16 without a GEMM of ours or oneDNN's (AVX2 CPUs, or a forced rung below avx512f): products with
+more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
 rows (~1 MB) into its own buffer and runs torch's fp32 GEMM on it (csrc/common.h), so no copy of
 the weight is ever made and bf16 is no slower than fp32 (measured faster: it reads half the bytes).
 Without a compiled kernel (torch rung) 'fp32' converts the whole weight for the call (transient:
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 CSRC = Path(__file__).parent / "csrc"
-RUNGS = ("avx512", "onednn", "avx2", "torch")
+RUNGS = ("avx512", "onednn", "avx512f", "avx2", "torch")
 ENV = "PLUGINS_KERNELS"
 # The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles
 # (measured, 8 santacoder-1b weights: 1 row 5.0 vs 8.3 ms, 16 rows 19.6 vs 22.4 ms).
@@ -48,8 +50,13 @@ KERNEL_ROWS = 16
 KERNEL_ISA = {
     "avx512": (("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni"),
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
+    "avx512f": (("avx512_f", "avx512_bw", "avx512_vl"), ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
+# Our bf16 GEMM on weights packed by pack_bf16_tiles (the others take the weight as stored)
+TILED = ("avx512", "avx512f")
+# Implementations whose every output row is computed as that row alone would be (see rows_alone)
+ROW_INVARIANT = (*TILED, "avx2")
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,10 @@ class Probe:
     modules: dict = field(default_factory=dict, compare=False, repr=False)  # compiled kernels by name
 
     def bf16(self, rows: int) -> str:
-        """'avx512' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights), 'torch'."""
-        if self.rung == "avx512":
-            return "avx512"
+        """'avx512' | 'avx512f' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights),
+        'torch'."""
+        if self.rung in TILED:
+            return self.rung
         if rows <= 1 and self.rung == "avx2":
             return "avx2"
         if rows <= KERNEL_ROWS and self.rung == "avx2":
@@ -102,7 +110,8 @@ def capabilities() -> dict:
 
 # Without one of these oneDNN emulates bf16 with fp32 FMAs. Measured on an AVX512F Xeon without them (8
 # santacoder-1b linears, 2 threads): oneDNN 65 / 115 / 367 ms at 5 / 16 / 64 rows against 40 / 96 / 223
-# on the avx2 rung's paths (equal at one row), so such CPUs run the avx2 rung.
+# on the avx2 rung's paths (equal at one row); the avx512f rung's GEMM, which such CPUs run: 17 (4
+# rows) / 31 / 105.
 BF16_INSTRUCTIONS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 
 
@@ -178,8 +187,11 @@ def _decide() -> Probe:
     caps = capabilities()
     bf16_gemm = "onednn" in allowed and has_bf16_instructions(caps) and onednn_packs_bf16()
     modules = {}
-    for name in ("avx512", "avx2"):  # avx2 is also the onednn rung's int8 one-row kernel
-        if name in allowed and "avx512" not in modules and supported(name, caps):
+    # avx2 is also the int8 one-row kernel of the onednn and avx512f rungs; avx512f only where
+    # neither avx512 nor oneDNN's bf16 GEMM runs
+    for name in ("avx512", "avx512f", "avx2"):
+        if (name in allowed and "avx512" not in modules and not (name == "avx512f" and bf16_gemm)
+                and supported(name, caps)):
             module = build(name)
             if module is not None:
                 modules[name] = module
@@ -208,17 +220,17 @@ def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedWeights:
-    """Packed copies of bf16 weights ([out, in]) for our GEMM ('avx512') or oneDNN's ('onednn'), made on
-    first use, kept per weight storage."""
+    """Packed copies of bf16 weights ([out, in]) for our GEMM ('avx512', 'avx512f': the same pack) or
+    oneDNN's ('onednn'), made on first use, kept per weight storage."""
 
     def __init__(self):
         self.packed = {}
 
     def get(self, weight: torch.Tensor, impl: str = "onednn") -> torch.Tensor:
-        key = (weight.data_ptr(), tuple(weight.shape), impl)
+        key = (weight.data_ptr(), tuple(weight.shape), "tiles" if impl in TILED else impl)
         entry = self.packed.get(key)
         if entry is None:
-            if impl == "avx512":
+            if impl in TILED:
                 pack = pack_bf16_tiles(weight)
             else:  # batch hint 1: oneDNN's fastest for one row
                 pack = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -270,7 +282,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     bf16 on CPU runs the probe's choice for this many rows; everything else is `F.linear`."""
     impl = bf16_choice(x)
-    if impl == "avx512":  # without `packs`, the weight is packed for this call only
+    if impl in TILED:  # without `packs`, the weight is packed for this call only
         packed = (packs or PackedWeights()).get(weight, impl)
         out = probe().kernel(impl).linear_tiles(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0],
                                                 bias, gelu)

@@ -59,7 +59,7 @@ def _make_decode_forward_impl(upstream):
         bias = kwargs.get("bias")
         if (weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and not args and weight.is_contiguous()
                 and (bias is None or bias.dtype == torch.bfloat16)
-                and kernels.bf16_choice(input) in ("avx512", "avx2", "fp32")):
+                and kernels.bf16_choice(input) in (*kernels.ROW_INVARIANT, "fp32")):
             packs = self.__dict__.setdefault("_decode_packs", kernels.PackedWeights())
             return kernels.linear(input, weight, bias, packs=packs)
         return upstream(self, input, weight, *args, **kwargs)

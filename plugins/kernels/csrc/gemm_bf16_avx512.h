@@ -1,15 +1,28 @@
-// The bf16 GEMM of decode_avx512.cpp (included there, after its helpers), for every row count.
+// The bf16 GEMM of decode_avx512.cpp and decode_avx512f.cpp (included there, after their helpers),
+// for every row count.
 //
 // Weights are packed once (plugins.kernels.pack_bf16_tiles) as [T][K2][64 columns][2 inputs]: one
-// register holds 16 columns x 2 consecutive inputs (vdpbf16ps's layout), so one broadcast pair of
-// activations feeds 4 column registers and one loaded weight register feeds up to BF16_ROW_TILE
-// rows, with no horizontal sums. A thread's tiles are one contiguous stream. Each output keeps one
-// fp32 lane that adds its input pairs in order from zero, whatever the row count or the tiling:
-// every row equals the same row computed alone, bit for bit.
+// register holds 16 columns x 2 consecutive inputs (vdpbf16ps's layout), so one pair of activations
+// feeds 4 column registers and one loaded weight register feeds up to BF16_ROW_TILE rows, with no
+// horizontal sums. A thread's tiles are one contiguous stream. Each output keeps one fp32 lane that
+// adds its input pairs in order from zero, whatever the row count or the tiling: every row equals
+// the same row computed alone, bit for bit.
+//
+// With AVX512-BF16 a pair is one vdpbf16ps on the bf16 activation pair. Without it (AVX512F) a
+// weight register is widened in two ALU ops (input 2p of each column: a shift; input 2p + 1: a
+// mask), and each row adds two FMAs on fp32 activations (the even input, then the odd): 2 widening
+// ops per 12 FMAs at 6 rows, so the FMA units stay busy.
 #pragma once
 
 #include <cstring>
 
+#ifdef __AVX512BF16__
+using XPair = uint32_t;       // an activation pair: two bf16 in one element
+constexpr int64_t XPAIR = 1;  // elements per pair
+#else
+using XPair = float;          // an activation pair: two fp32 elements, the even input first
+constexpr int64_t XPAIR = 2;
+#endif
 constexpr int BF16_ROW_TILE = 6;      // 6 rows x 4 column registers = 24 accumulators
 constexpr int64_t BF16_BLOCK = 128;   // input pairs per block: 32 KB of weights, in L1 while every row tile reads it
 constexpr int64_t BF16_ROW_CHUNK = 96;  // rows whose activation blocks (48 KB) stay in L2 across a tile's blocks
@@ -29,7 +42,8 @@ struct ColSums {
     _mm512_storeu_ps(s + 32, c2);
     _mm512_storeu_ps(s + 48, c3);
   }
-  __attribute__((always_inline)) inline void add(__m512bh w0, __m512bh w1, __m512bh w2, __m512bh w3, const uint32_t* pair) {
+#ifdef __AVX512BF16__
+  __attribute__((always_inline)) inline void add(__m512bh w0, __m512bh w1, __m512bh w2, __m512bh w3, const XPair* pair) {
     uint32_t bits;
     std::memcpy(&bits, pair, 4);
     const __m512bh x = (__m512bh)_mm512_set1_epi32((int)bits);
@@ -38,7 +52,33 @@ struct ColSums {
     c2 = _mm512_dpbf16_ps(c2, w2, x);
     c3 = _mm512_dpbf16_ps(c3, w3, x);
   }
+#else
+  // column register C += even * x[0], then += odd * x[1]
+  template <int C>
+  __attribute__((always_inline)) inline void add(__m512 even, __m512 odd, const XPair* pair) {
+    __m512& c = C == 0 ? c0 : C == 1 ? c1 : C == 2 ? c2 : c3;
+    c = _mm512_fmadd_ps(even, _mm512_set1_ps(pair[0]), c);
+    c = _mm512_fmadd_ps(odd, _mm512_set1_ps(pair[1]), c);
+  }
+#endif
 };
+
+#ifndef __AVX512BF16__
+// Column register C of the pair at `wp`, widened, into every row tile's sums.
+template <int C, int RT>
+__attribute__((always_inline)) inline void add_column(const bf16* wp, const XPair* x, int64_t stride, ColSums& a0,
+                                                      ColSums& a1, ColSums& a2, ColSums& a3, ColSums& a4, ColSums& a5) {
+  const __m512i w = _mm512_loadu_si512(wp + 32 * C);
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  a0.add<C>(even, odd, x);
+  if constexpr (RT >= 2) a1.add<C>(even, odd, x + stride);
+  if constexpr (RT >= 3) a2.add<C>(even, odd, x + 2 * stride);
+  if constexpr (RT >= 4) a3.add<C>(even, odd, x + 3 * stride);
+  if constexpr (RT >= 5) a4.add<C>(even, odd, x + 4 * stride);
+  if constexpr (RT >= 6) a5.add<C>(even, odd, x + 5 * stride);
+}
+#endif
 
 // Prefetch of the next block (contiguous bytes) into L2, spread over the current block's iterations.
 struct BlockPrefetch {
@@ -52,7 +92,7 @@ struct BlockPrefetch {
 
 // acc[r * 64 + c] += the pairs [0, pairs) of block `w` ([pairs][64][2]) against rows x + r * stride.
 template <int RT>
-void bf16_tile(const uint32_t* x, int64_t stride, const bf16* w, int64_t pairs, float* acc, BlockPrefetch& pf) {
+void bf16_tile(const XPair* x, int64_t stride, const bf16* w, int64_t pairs, float* acc, BlockPrefetch& pf) {
   static_assert(RT >= 1 && RT <= BF16_ROW_TILE, "six rows fill the registers");
   ColSums a0, a1, a2, a3, a4, a5;
   a0.load(acc);
@@ -63,6 +103,7 @@ void bf16_tile(const uint32_t* x, int64_t stride, const bf16* w, int64_t pairs, 
   if constexpr (RT >= 6) a5.load(acc + 320);
   for (int64_t p = 0; p < pairs; ++p) {
     const bf16* wp = w + p * 128;
+#ifdef __AVX512BF16__
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
     a0.add(w0, w1, w2, w3, x + p);
@@ -71,6 +112,13 @@ void bf16_tile(const uint32_t* x, int64_t stride, const bf16* w, int64_t pairs, 
     if constexpr (RT >= 4) a3.add(w0, w1, w2, w3, x + 3 * stride + p);
     if constexpr (RT >= 5) a4.add(w0, w1, w2, w3, x + 4 * stride + p);
     if constexpr (RT >= 6) a5.add(w0, w1, w2, w3, x + 5 * stride + p);
+#else
+    const XPair* xp = x + 2 * p;
+    add_column<0, RT>(wp, xp, stride, a0, a1, a2, a3, a4, a5);
+    add_column<1, RT>(wp, xp, stride, a0, a1, a2, a3, a4, a5);
+    add_column<2, RT>(wp, xp, stride, a0, a1, a2, a3, a4, a5);
+    add_column<3, RT>(wp, xp, stride, a0, a1, a2, a3, a4, a5);
+#endif
     pf.step();
   }
   a0.store(acc);
@@ -81,7 +129,7 @@ void bf16_tile(const uint32_t* x, int64_t stride, const bf16* w, int64_t pairs, 
   if constexpr (RT >= 6) a5.store(acc + 320);
 }
 
-using Bf16Tile = void (*)(const uint32_t*, int64_t, const bf16*, int64_t, float*, BlockPrefetch&);
+using Bf16Tile = void (*)(const XPair*, int64_t, const bf16*, int64_t, float*, BlockPrefetch&);
 constexpr Bf16Tile BF16_TILES[BF16_ROW_TILE + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>,
                                                     bf16_tile<4>, bf16_tile<5>, bf16_tile<6>};
 
@@ -95,9 +143,15 @@ torch::Tensor linear_bf16_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), K2 = packed.size(1);
   TORCH_CHECK(K2 == (K + 1) / 2 && N <= T * 64 && N > (T - 1) * 64, "packed shape does not match x and N");
   const bf16* bp = decode::vector_ptr(bias, N, "bias");
-  // activation pairs: x itself, or a zero-padded copy when K is odd (the last pair's second input)
-  const torch::Tensor xs = K % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xs.data_ptr<bf16>());
+  // activation pairs: x (in fp32 without AVX512-BF16), zero-padded when K is odd (the last pair's second input)
+  torch::Tensor xs = K % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+#ifdef __AVX512BF16__
+  xs = xs.contiguous();
+  const XPair* xp = reinterpret_cast<const XPair*>(xs.data_ptr<bf16>());
+#else
+  xs = xs.to(at::kFloat).contiguous();
+  const XPair* xp = xs.data_ptr<float>();
+#endif
   const bf16* wp = packed.data_ptr<bf16>();
   auto out = torch::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
@@ -123,7 +177,7 @@ torch::Tensor linear_bf16_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
           }
           for (int64_t m = 0; m < rows; m += BF16_ROW_TILE) {
             const int64_t rt = std::min<int64_t>(BF16_ROW_TILE, rows - m);
-            BF16_TILES[rt](xp + (r0 + m) * K2 + p0, K2, block, pairs, acc.data() + m * 64, pf);
+            BF16_TILES[rt](xp + ((r0 + m) * K2 + p0) * XPAIR, K2 * XPAIR, block, pairs, acc.data() + m * 64, pf);
           }
         }
         for (int64_t m = 0; m < rows; ++m)
