@@ -16,8 +16,11 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (our AVX512 kernel's pack, or
   torch's for its CPU int4 kernel), carrying it as `.int4`.
 - attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
-  into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V). Inside
+  into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V); a bf16
+  one-token step on an MQA cache runs our decode kernel where the rung has it (AVX512). Inside
   `plugins.kernels.rows_alone()` several tokens are attended one by one, as one-token steps.
+- layer norms and residual adds (bf16, CPU, a compiled rung): fused kernels (`plugins.kernels.layer_ops`)
+  in place of torch's layer norm and DeepSpeed's residual fallback (which widens five operands to fp32).
 
 With CUDA, DeepSpeed binds its compiled kernels for the GEMMs, layer norms and the fused
 bias-GELU MLP (tanh GELU in the kernel); attention always runs on our cache (DeepSpeed's
@@ -32,10 +35,11 @@ from torch import nn
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.model_implementations.transformers.ds_transformer import DeepSpeedTransformerInference
-from deepspeed.ops.transformer.inference.op_binding import MLPGemmOp, QKVGemmOp, SoftmaxContextOp, VectorMatMulOp
+from deepspeed.ops.transformer.inference.op_binding import (MLPGemmOp, QKVGemmOp, ResidualAddOp, SoftmaxContextOp,
+                                                            VectorMatMulOp)
 
 from plugins import kernels
-from plugins.kernels import PackedWeights
+from plugins.kernels import PackedWeights, layer_ops
 from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
 
 from . import compat
@@ -61,7 +65,8 @@ class GPTBigCodeQKVGemmOp(QKVGemmOp):
         self.packs = PackedWeights()
 
     def qkv_gemm_fallback(self, input, weight, q_scale, bias, gamma, beta, eps, add_bias, q_int8, transpose):
-        inp_norm = F.layer_norm(input, (input.shape[-1], ), gamma, beta, eps)
+        fused = layer_ops.add_layer_norm(input, gamma, beta, eps)
+        inp_norm = fused[1] if fused is not None else F.layer_norm(input, (input.shape[-1], ), gamma, beta, eps)
         return [linear(inp_norm, weight, bias if add_bias else None, self.packs), inp_norm]
 
 
@@ -86,9 +91,26 @@ class GPTBigCodeMLPGemmOp(MLPGemmOp):
                           pre_layer_norm, mlp_after_attn, interm_scale, out_scale, dtype, mlp_act_func_type,
                           transpose):
         # Same contract as upstream: ln_2(attn + residual + attn bias) -> c_fc -> GELU -> c_proj (no bias).
-        ln_out = F.layer_norm(input + residual + input_bias, (input.shape[-1], ), gamma, beta, eps)
+        fused = layer_ops.add_layer_norm(residual, gamma, beta, eps, input, input_bias)
+        if fused is not None:
+            ln_out = fused[1]
+        else:
+            ln_out = F.layer_norm(input + residual + input_bias, (input.shape[-1], ), gamma, beta, eps)
         hidden = linear(ln_out, weight_interm, bias, self.packs, gelu=True)
         return linear(hidden, weight_out, None, self.packs), ln_out
+
+
+class GPTBigCodeResidualAddOp(ResidualAddOp):
+    """Upstream's fallback converts all five operands to fp32 (~12 ops per layer); on CPU bf16 without
+    TP one fused kernel does the same sums: residual + attn + attn bias + c_proj bias + mlp output."""
+
+    def residual_add_fallback(self, hidden_state, residual, attention_output, attention_bias, final_bias, mp_size,
+                              mlp_after_attn, add_bias, pre_layer_norm):
+        if (mp_size == 1 and mlp_after_attn and pre_layer_norm
+                and layer_ops.add_residuals_(residual, attention_output, attention_bias, hidden_state, final_bias)):
+            return residual
+        return ResidualAddOp.residual_add_fallback(hidden_state, residual, attention_output, attention_bias, final_bias,
+                                                   mp_size, mlp_after_attn, add_bias, pre_layer_norm)
 
 
 class MQASoftmaxContextOp(SoftmaxContextOp):
@@ -118,6 +140,10 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
             query, key, value = qkv.view(batch, q_len, heads, 3 * head_dim).transpose(1, 2).split(head_dim, dim=-1)
         if kv is not None:
             key, value = kv.update(key, value)
+        if kv_heads == 1 and q_len == 1:
+            out = _decode_attention(query, key, value, mask, scale)
+            if out is not None:
+                return out.view(batch, 1, heads * head_dim)
         mask = _causal_mask(mask, q_len, key.shape[2], qkv.device)
         if kv_heads == 1 and mask is not None:
             # row t*heads + h of the folded query uses row t of the mask (a view when q_len == 1)
@@ -126,6 +152,17 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
         if kv_heads == 1:
             return out.view(batch, q_len, heads * head_dim)
         return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
+
+
+def _decode_attention(query, key, value, mask, scale: float):
+    """One token per sequence on the one-head cache with our kernel (query [B, 1, heads, d], key /
+    value [B, 1, L, d], mask None or [B or 1, 1, 1, L] bool); None where it does not apply."""
+    batch, length = key.shape[0], key.shape[2]
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != length or mask.shape[2] != 1:
+            return None
+        mask = mask.expand(batch, 1, 1, length)[:, 0, 0]
+    return layer_ops.mqa_decode_attention(query[:, 0], key[:, 0], value[:, 0], mask, scale)
 
 
 def _causal_mask(mask, q_len: int, kv_len: int, device):
@@ -151,6 +188,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
             attn.vector_matmul_func = GPTBigCodeVectorMatMulOp(config)
             attn.score_context_func = MQASoftmaxContextOp(config)
             mlp.mlp_gemm_func = GPTBigCodeMLPGemmOp(config)
+            mlp.residual_add_func = GPTBigCodeResidualAddOp(config)
         self.layer_idx = layer_idx      # HF's index into the Cache (DeepSpeed's layer_id is a global counter)
         self.kv_heads = kv_heads        # per rank: 1 for MQA (replicated), heads / tp for MHA
         self.kv_capacity = min(config.max_out_tokens, max_positions)

@@ -5,13 +5,16 @@ megatron-core's local `DotProductAttention` expands K and V to every query head
 transposed strided views that CPU BLAS copies again: on SantaCoder-1B (bf16, bs16) that is more
 than half of a decode step. Here each KV group attends as one head: its query heads are stacked
 along the query axis, so K and V are never expanded (the MQA cache stays one head).
-It plugs into the spec where Transformer Engine's attention would (`core_attention`).
+It plugs into the spec where Transformer Engine's attention would (`core_attention`). A one-token
+step on an MQA cache in bf16 on CPU runs our decode kernel (plugins.kernels.layer_ops) instead of SDPA.
 """
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from plugins.kernels import layer_ops
 
 
 class SDPAttention(MegatronModule):
@@ -28,6 +31,13 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
         sq, b, heads, d = query.shape
         groups = key.shape[2]
+        if sq == 1 and groups == 1:
+            # [b, heads, d] against the cache read as [b, sk, d] (a strided view, nothing copied)
+            allowed = None if attention_mask is None else ~attention_mask.expand(b, 1, 1, key.shape[0])[:, 0, 0]
+            out = layer_ops.mqa_decode_attention(query[0], key[:, :, 0].transpose(0, 1), value[:, :, 0].transpose(0, 1),
+                                                 allowed, self.scale if self.scale is not None else d ** -0.5)
+            if out is not None:
+                return out.view(1, b, heads * d)
         per_group = heads // groups
         # Query heads of a group are adjacent in megatron's layout: [b, groups, per_group * sq, d].
         q = query.permute(1, 2, 0, 3).reshape(b, groups, per_group * sq, d)

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "layer_norm.h"
 
 namespace {
 

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "layer_norm.h"
 
 namespace {
 
@@ -102,10 +103,12 @@ void dots_int8(const FixedPointRows& f, int64_t m0, const int8_t* w, int64_t K, 
 
 #include "tiles_avx512.h"
 #include "gemm_bf16_avx512.h"
+#include "attention_avx512.h"
 
 #define INT8_ROWS linear_int8_rows
 #define INT4_LINEAR linear_int4
 #define BF16_TILES_LINEAR linear_bf16_tiles
+#define MQA_DECODE_ATTENTION mqa_decode_attention
 
 }  // namespace
 

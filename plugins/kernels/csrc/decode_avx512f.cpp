@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "layer_norm.h"
 
 namespace {
 
@@ -14,10 +15,14 @@ constexpr const char* ISA = "AVX512F";
 
 #include "epilogue_avx512.h"
 #include "gemm_bf16_avx512.h"
+#include "attention_avx512.h"
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &decode::linear_fp32_tiles, "bf16 weights, fp32 GEMM on converted tiles, bf16 out");
   m.def("linear_tiles", &linear_bf16_tiles, (std::string("bf16 linear on packed tiles, any rows (") + ISA + ")").c_str());
+  m.def("add_layer_norm", &decode::add_layer_norm, "bf16 rows: (x + y + bias, layer_norm of it)");
+  m.def("add_residuals_", &decode::add_residuals_, "bf16 rows, in place: x + a + a_bias, then + y + y_bias");
+  m.def("mqa_decode_attention", &mqa_decode_attention, (std::string("one-token attention on a one-head bf16 cache (") + ISA + ")").c_str());
 }
