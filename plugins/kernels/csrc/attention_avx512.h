@@ -5,7 +5,9 @@
 // The heads are the vector lanes: 16 heads of a sequence are one register, so each key and value
 // element is widened to fp32 once and broadcast into one FMA for all 16 heads; no horizontal sums.
 // Scores, softmax (exp_ps) and the weighted sum of values are fp32; the output is rounded once.
-// torch's SDPA took ~0.8 ms per layer for santacoder-1b at bs16 (16 heads x 136 keys x 128).
+// santacoder-1b at bs16 (16 heads x 136 keys x 128, 2 threads, AVX512F Xeon): ~0.47 ms a layer against
+// SDPA's 0.54-0.65 in the same run (~0.8 inside a decode step); one thread runs ~0.9 G FMAs of 16 lanes
+// a second here, two thirds of the GEMM's rate (each FMA takes a broadcast load).
 #pragma once
 
 constexpr int64_t ATTN_KEYS = 64;  // keys (or values) widened to fp32 at a time: 32 KB at head dim 128
