@@ -12,6 +12,12 @@ from plugins.core.checkpoint import create_checkpoint  # noqa: E402
 from plugins.core.config import load_model_config  # noqa: E402
 from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same random inputs whatever ran before it (and on CI as here)."""
+    torch.manual_seed(0)
+
+
 PROMPT_LENGTHS = (5, 17, 11)  # three prompts of different lengths -> real left padding
 
 
