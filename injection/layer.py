@@ -51,7 +51,7 @@ def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     weight (from `quantize`) is stored [out, in] with its per-row `.scale`, as torch's kernel wants; an
     int4 weight is a uint8 pack carrying its Int4Weight."""
     if weight.dtype == torch.int8:
-        return int8_linear(x, weight, weight.scale, bias, gelu)
+        return int8_linear(x, weight, weight.scale, bias, gelu, packs)
     if weight.dtype == torch.uint8:
         return int4_linear(x, weight.int4, bias, gelu)
     return kernels.linear(x, weight.t(), bias, gelu, packs)

@@ -20,9 +20,6 @@ pytestmark = pytest.mark.kernels
 RUNNABLE = [name for name in kernels.KERNEL_ISA if kernels.supported(name)]
 per_kernel = pytest.mark.parametrize("name", RUNNABLE or [pytest.param("none", marks=pytest.mark.skip(
     reason="CPU without AVX2/AVX512: no decode kernel runs here"))])
-INT8 = [name for name in RUNNABLE if name != "avx512f"]  # avx512f is bf16 only: its rung's int8 runs avx2's
-per_int8_kernel = pytest.mark.parametrize("name", INT8 or [pytest.param("none", marks=pytest.mark.skip(
-    reason="CPU without AVX2/AVX512: no decode kernel runs here"))])
 
 
 def kernel(name):
@@ -36,7 +33,7 @@ def bf16_linear(name, x, w, bias, gelu):
     """Kernel `name`'s bf16 linear: avx512's and avx512f's on the weight packed for them, avx2's on the
     weight as stored."""
     if name in kernels.TILED:
-        return kernel(name).linear_tiles(x, kernels.pack_bf16_tiles(w), w.shape[0], bias, gelu)
+        return kernel(name).linear_tiles(x, kernels.pack_tiles(w), w.shape[0], bias, gelu)
     return kernel(name).linear(x, w, bias, gelu)
 
 
@@ -52,7 +49,7 @@ def test_ladder_decisions_per_rung():
     assert [onednn.int8(r) for r in (1, 2)] == ["avx2", "torch"]
     avx512f = Probe("avx512f", False, modules={"avx512f": object(), "avx2": object()})
     assert [avx512f.bf16(r) for r in (1, 2, 16, 512)] == ["avx512f"] * 4
-    assert [avx512f.int8(r) for r in (1, 2)] == ["avx2", "torch"] and avx512f.int4() == "torch"
+    assert [avx512f.int8(r) for r in (1, 2, 16, 512)] == ["avx512f"] * 4 and avx512f.int4() == "torch"
     avx2 = Probe("avx2", False, modules={"avx2": object()})
     assert [avx2.bf16(r) for r in (1, KERNEL_ROWS, KERNEL_ROWS + 1)] == ["avx2", "avx2", "fp32"]
     assert [avx2.int8(r) for r in (1, 2)] == ["avx2", "torch"]
@@ -117,7 +114,7 @@ def test_bf16_tiles_pack_layout():
     """Our bf16 GEMM's pack (built on any CPU, run on avx512): tile t, pair p, column c, half j holds
     weight[64 t + c, 2 p + j], zero past N and K."""
     w = torch.randn(70, 5).bfloat16()  # a partial second tile, an odd K
-    packed = kernels.pack_bf16_tiles(w)
+    packed = kernels.pack_tiles(w)
     assert packed.shape == (2, 3, 64, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
     for t, p, c, j in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 2, 5, 0), (1, 0, 3, 1)]:
         assert packed[t, p, c, j] == w[64 * t + c, 2 * p + j]
@@ -167,15 +164,14 @@ def test_kernel_rows_are_independent_of_the_batch(name, in_features, out_feature
     x, w = torch.randn(101, in_features).bfloat16(), torch.randn(out_features, in_features).bfloat16()
     q, scales = quantize_per_channel(w)
     whole = bf16_linear(name, x, w, None, True)
-    whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False) if name in INT8 else None
+    whole8 = kernel(name).linear_int8(x, q, scales.bfloat16(), None, False)
     for i in (0, 4, 5, 6, 11, 95, 96, 100):
         row = x[i:i + 1].contiguous()
         assert torch.equal(bf16_linear(name, row, w, None, True), whole[i:i + 1])
-        if whole8 is not None:
-            assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
+        assert torch.equal(kernel(name).linear_int8(row, q, scales.bfloat16(), None, False), whole8[i:i + 1])
 
 
-@per_int8_kernel
+@per_kernel
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 2304, 2048), (1, 37, 100), (3, 64, 130),
                                                             (1, 16, 8200), (16, 200, 2050)])
 @pytest.mark.parametrize("gelu", [False, True])
@@ -198,7 +194,7 @@ def test_kernel_int8_matches_dequantized_reference(name, rows, out_features, in_
     assert torch.all((out.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1.2 * fixed_point + 1e-6)
 
 
-@per_int8_kernel
+@per_kernel
 def test_kernel_int8_saturated_sums_do_not_overflow(name):
     """Every weight at +127 and every activation at the fixed-point maximum: the largest sums there are."""
     K = 24576  # StarCoder's widest input (MLP c_proj)
@@ -209,7 +205,36 @@ def test_kernel_int8_saturated_sums_do_not_overflow(name):
     assert torch.allclose(out.float(), torch.full((1, 3), 127.0 * K), rtol=2 ** -8)
 
 
-@per_int8_kernel
+@pytest.mark.parametrize("name", [n for n in RUNNABLE if n == "avx512f"] or [pytest.param("avx512f", marks=pytest.mark.skip(
+    reason="CPU without AVX512: no int8 GEMM on packed tiles runs here"))])
+@pytest.mark.parametrize("rows", [1, 7, 101])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_int8_packed_tiles_equal_the_stored_weight_path(name, rows, gelu):
+    """The avx512f int8 GEMM on the weight packed once (K odd: the last pair half padding; 130 outputs: a
+    partial tile; 1100 inputs: blocks of 128 pairs) gives linear_int8's outputs bit for bit."""
+    x = torch.randn(rows, 1101).bfloat16()
+    q, scales = quantize_per_channel(torch.randn(130, 1101))
+    scales, bias = scales.bfloat16(), torch.randn(130).bfloat16()
+    packed = kernels.pack_tiles(q)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 551, 64, 2)
+    out = kernel(name).linear_int8_tiles(x, packed, 130, scales, bias, gelu)
+    assert torch.equal(out, kernel(name).linear_int8(x, q, scales, bias, gelu))
+
+
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason="one int8 kernel runs here: nothing to compare")
+def test_int8_kernels_compute_the_same_integer_sums():
+    """Every int8 kernel holds the activations in the same fixed point and sums exactly, so with unit
+    scales and no bias (one rounding of the same sum) they agree bit for bit, one row and many."""
+    x = (torch.randn(9, 1100) * torch.logspace(-3, 1, 1100)).bfloat16()
+    q = torch.randint(-128, 128, (130, 1100), dtype=torch.int8)
+    ones = torch.ones(130).bfloat16()
+    for rows in (x[:1], x):
+        outs = {name: kernel(name).linear_int8(rows, q, ones, None, False) for name in RUNNABLE}
+        first = outs[RUNNABLE[0]]
+        assert all(torch.equal(out, first) for out in outs.values()), list(outs)
+
+
+@per_kernel
 def test_kernel_nan_input_gives_nan_not_garbage(name):
     x = torch.randn(2, 64).bfloat16()
     x[1, 3] = float("nan")

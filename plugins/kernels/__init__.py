@@ -9,7 +9,8 @@ The ladder, fastest first; each rung is a real path with its own tests:
           steps on the avx2 kernel
   avx512f our bf16 GEMM of the avx512 rung on the same packed weights, AVX512F without bf16
           instructions (csrc/decode_avx512f.cpp: weights widened to fp32 in registers, fp32 FMAs),
-          any row count; int8 / int4 as on the avx2 rung
+          and int8 linears (vpmaddwd, the avx2 kernel's exact integer sums), any row count; int4
+          as on the avx2 rung
   avx2    our kernel (csrc/decode_avx2.cpp), AVX2 + FMA: bf16 steps of up to KERNEL_ROWS rows and
           int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
   torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
@@ -53,7 +54,7 @@ KERNEL_ISA = {
     "avx512f": (("avx512_f", "avx512_bw", "avx512_vl"), ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
-# Our bf16 GEMM on weights packed by pack_bf16_tiles (the others take the weight as stored)
+# Our bf16 GEMM on weights packed by pack_tiles (the others take the weight as stored)
 TILED = ("avx512", "avx512f")
 # Implementations whose every output row is computed as that row alone would be (see rows_alone)
 ROW_INVARIANT = (*TILED, "avx2")
@@ -82,9 +83,10 @@ class Probe:
         return "torch" if rows <= 1 else "fp32"
 
     def int8(self, rows: int) -> str:
-        """'avx512' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
-        if "avx512" in self.modules:
-            return "avx512"
+        """'avx512' | 'avx512f' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
+        for name in ("avx512", "avx512f"):  # any rows
+            if name in self.modules:
+                return name
         if rows <= 1 and "avx2" in self.modules:
             return "avx2"
         return "torch"
@@ -210,9 +212,10 @@ def reset() -> None:
 TILE_COLS = 64  # output columns per packed tile of our bf16 GEMM
 
 
-def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded: per tile of 64 output columns, each
-    pair of consecutive inputs is 64 columns x 2 bf16 (vdpbf16ps's operand layout), one stream per tile."""
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 or int8 [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded: per tile of 64 output columns,
+    each pair of consecutive inputs is 64 columns x 2 values (vdpbf16ps's operand layout, and vpmaddwd's
+    once int8 is widened), one stream per tile."""
     n, k = weight.shape
     tiles, pairs = -(-n // TILE_COLS), -(-k // 2)
     padded = F.pad(weight, (0, 2 * pairs - k, 0, tiles * TILE_COLS - n))
@@ -220,8 +223,8 @@ def pack_bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedWeights:
-    """Packed copies of bf16 weights ([out, in]) for our GEMM ('avx512', 'avx512f': the same pack) or
-    oneDNN's ('onednn'), made on first use, kept per weight storage."""
+    """Packed copies of weights ([out, in]) for our GEMMs ('avx512', 'avx512f': the same pack, bf16 or
+    int8) or oneDNN's ('onednn', bf16), made on first use, kept per weight storage."""
 
     def __init__(self):
         self.packed = {}
@@ -231,7 +234,7 @@ class PackedWeights:
         entry = self.packed.get(key)
         if entry is None:
             if impl in TILED:
-                pack = pack_bf16_tiles(weight)
+                pack = pack_tiles(weight)
             else:  # batch hint 1: oneDNN's fastest for one row
                 pack = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             # the weight is kept with its pack: its storage (the key) cannot be freed and reused

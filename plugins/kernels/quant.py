@@ -2,7 +2,8 @@
 
 Decode at small batch is bound by reading weights. int8 (per-output-channel symmetric scales) halves
 the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI:
-any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX2: one row), otherwise torch's own
+any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX512F: any number of rows; AVX2: one
+row), otherwise torch's own
 `aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel. int4 (groups of
 INT4_GROUP input channels, a scale and a zero point each) quarters them: our AVX512-VNNI kernel on
 bf16 activations (its own pack, read as stored), else torch's CPU int4 kernel
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import choice_rows, linear, probe
+from . import PackedWeights, choice_rows, linear, probe
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,15 +33,19 @@ DEQUANT_ROWS = 256
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                gelu: bool = False) -> torch.Tensor:
-    """F.linear with an int8 weight (then tanh GELU if asked). `scales` must already be in x's dtype."""
+                gelu: bool = False, packs: PackedWeights | None = None) -> torch.Tensor:
+    """F.linear with an int8 weight (then tanh GELU if asked). `scales` must already be in x's dtype.
+    `packs` keeps the weight packed for the avx512f rung's GEMM (any rows; without it, the stored weight)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     impl = "torch"
     if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
             bias is None or bias.dtype == torch.bfloat16):
         impl = probe().int8(choice_rows(x2.shape[0]))
-    if impl != "torch":  # our kernel: avx512 any rows, avx2 one row
+    if impl == "avx512f" and packs is not None:
+        out = probe().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias, gelu)
+        return out.view(*shape[:-1], q.shape[0])
+    if impl != "torch":  # our kernel: avx512 / avx512f any rows, avx2 one row
         out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows; dequantizing
@@ -68,9 +73,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scales.to(dtype))
         self.bias = None if source.bias is None else nn.Parameter(source.bias.detach().clone(), requires_grad=False)
+        self.packs = PackedWeights()
 
     def forward(self, x):
-        return int8_linear(x, self.weight_int8, self.scales, self.bias)
+        return int8_linear(x, self.weight_int8, self.scales, self.bias, packs=self.packs)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

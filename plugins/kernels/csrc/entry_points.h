@@ -4,7 +4,8 @@
 // `FixedPointRows`, `to_fixed_point_rows(x, M, K)` and `dots_int8<MT>(rows, m0, w, K, dot)`; and
 // may define FINISH_ROW, a vectorized decode::finish_row_scalar, and INT8_ROWS, an int8 linear for
 // more than one row (x, weight, scales, bias, gelu) whose outputs equal the one-row path's, and
-// INT4_LINEAR (bound as `linear_int4`), MQA_DECODE_ATTENTION (bound as `mqa_decode_attention`).
+// INT8_TILES_LINEAR (bound as `linear_int8_tiles`), INT4_LINEAR (bound as `linear_int4`),
+// MQA_DECODE_ATTENTION (bound as `mqa_decode_attention`).
 #pragma once
 
 #ifndef FINISH_ROW
@@ -60,6 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_residuals_", &decode::add_residuals_, "bf16 rows, in place: x + a + a_bias, then + y + y_bias");
 #ifdef MQA_DECODE_ATTENTION
   m.def("mqa_decode_attention", &MQA_DECODE_ATTENTION, (std::string("one-token attention on a one-head bf16 cache (") + ISA + ")").c_str());
+#endif
+#ifdef INT8_TILES_LINEAR
+  m.def("linear_int8_tiles", &INT8_TILES_LINEAR, (std::string("int8 linear on packed tiles, any rows (") + ISA + ")").c_str());
 #endif
 #ifdef INT4_LINEAR
   m.def("linear_int4", &INT4_LINEAR, (std::string("int4 weight linear, bf16 in and out (") + ISA + ")").c_str());

@@ -1,7 +1,7 @@
 // The bf16 GEMM of decode_avx512.cpp and decode_avx512f.cpp (included there, after their helpers),
 // for every row count.
 //
-// Weights are packed once (plugins.kernels.pack_bf16_tiles) as [T][K2][64 columns][2 inputs]: one
+// Weights are packed once (plugins.kernels.pack_tiles) as [T][K2][64 columns][2 inputs]: one
 // register holds 16 columns x 2 consecutive inputs (vdpbf16ps's layout), so one pair of activations
 // feeds 4 column registers and one loaded weight register feeds up to BF16_ROW_TILE rows, with no
 // horizontal sums. A thread's tiles are one contiguous stream. Each output keeps one fp32 lane that
