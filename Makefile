@@ -19,13 +19,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# The whole suite on this CPU's own kernel rung, then the kernel tests again with each lower rung
-# forced (plugins/kernels), so one machine covers the paths of every CPU in the pool.
+# The whole suite on this CPU's own kernel rung (implementations chosen by timing them here), then the
+# kernel tests again with each lower rung forced and the ladder's fixed choices (plugins/kernels), so
+# one machine covers the paths of every CPU in the pool.
 test: setup
 	$(PY) -m pytest -q tests
 	@for rung in $$($(PY) -m plugins.kernels --lower-rungs); do \
 		echo "== kernel tests with PLUGINS_KERNELS=$$rung"; \
-		PLUGINS_KERNELS=$$rung $(PY) -m pytest -q -m kernels tests || exit 1; \
+		PLUGINS_KERNELS=$$rung PLUGINS_KERNELS_TABLE=static $(PY) -m pytest -q -m kernels tests || exit 1; \
 	done
 
 compare: setup

@@ -62,3 +62,48 @@ def test_mha_and_unknown_options_are_refused_before_any_work(ckpt_factory, tmp_p
     with pytest.raises(ConfigError, match="compute_type"):
         load_backend("ctranslate2", ckpt_factory("tiny"), compute_type="int3")
     assert not converted_dir(ckpt_factory("tiny-mha"), "float32").exists()
+
+
+def test_a_peer_killed_by_a_signal_is_one_error_row_and_the_bench_goes_on(tmp_path):
+    """The peer runs in a worker process of its own: a native crash (here SIGSEGV sent to that worker
+    as soon as it starts) fails that backend's rows with one clear error; the other backends run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import yaml
+
+    from plugins.core.config import REPO_ROOT
+
+    cfg = {"models": ["tiny"], "dtype": "float32", "backends": ["hf", "ctranslate2", "deepspeed"], "batch_sizes": [1],
+           "prompt_lengths": [6], "new_tokens": 2, "warmup": 0, "cycles": 1, "logit_batch": 1,
+           "checkpoint_dir": str(tmp_path / "ckpt")}
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "compare.py"), str(tmp_path / "bench.yaml"),
+                             "--out", str(tmp_path / "out"), "--no-progress"], cwd=REPO_ROOT,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed, deadline = None, time.monotonic() + 300
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "plugins.core.launcher" in child.cmdline():
+                    child.send_signal(signal.SIGSEGV)
+                    killed = child.pid
+                    break
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=600)
+    assert killed is not None, "the peer never started a worker process"
+    assert proc.returncode == 0, out[-3000:]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    by_backend = {r["backend"]: r for r in rows}
+    assert set(by_backend) == {"hf", "ctranslate2", "deepspeed"}
+    assert "ctranslate2 died with SIGSEGV" in by_backend["ctranslate2"]["error"], by_backend["ctranslate2"]["error"]
+    assert by_backend["hf"]["error"] is None and by_backend["deepspeed"]["error"] is None
+    assert by_backend["deepspeed"]["token_agreement_pct"] == 100.0

@@ -6,6 +6,8 @@ Tests marked `kernels` are run by `make test` once natively and once with every 
 machines too. The kernel tests themselves run every kernel this CPU can execute, whatever the rung.
 """
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -87,6 +89,7 @@ def test_cpus_without_bf16_instructions_skip_onednn(monkeypatch):
     caps = {k: v and k not in kernels.BF16_INSTRUCTIONS for k, v in kernels.capabilities().items()}
     monkeypatch.setattr(kernels, "capabilities", lambda: caps)
     monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.setenv(kernels.TABLE_ENV, "static")  # the flag ladder (the measured one times oneDNN too)
     try:
         kernels.reset()
         p = kernels.probe()
@@ -97,6 +100,125 @@ def test_cpus_without_bf16_instructions_skip_onednn(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels.reset()
+
+
+# --- the measured table ----------------------------------------------------------------------------
+
+LABELS = [kernels.bucket_label(i) for i in range(len(kernels.BUCKETS) + 1)]
+
+
+def test_buckets_cover_every_row_count():
+    assert LABELS == ["1", "2-8", "9-32", "33-128", ">128"]
+    assert [kernels.bucket(r) for r in (1, 2, 8, 9, 32, 33, 128, 129, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert [kernels.bucket(r) for r in kernels.TIMED_ROWS] == list(range(len(LABELS)))
+
+
+def test_choice_is_the_fastest_and_one_row_is_row_invariant():
+    from plugins.kernels.measure import choose
+
+    wanted = {"bf16": ["avx2", "onednn", "fp32"], "int8": ["avx2", "torch", "dequant"], "int4": ["torch"]}
+    bf16 = [{"avx2": 5, "onednn": 4, "fp32": 9}, {"avx2": 8, "onednn": 6, "fp32": 9},
+            {"avx2": 20, "onednn": 30, "fp32": 9}, {"avx2": 80, "onednn": 30, "fp32": 50},
+            {"avx2": 300, "onednn": 90, "fp32": 200}]
+    int8 = [{"avx2": 3, "torch": 1, "dequant": 90}] + [{"avx2": 9, "torch": 8, "dequant": 7}] * 4
+    timings = {"bf16": dict(zip(LABELS, bf16)), "int8": dict(zip(LABELS, int8)),
+               "int4": {label: {"torch": 1} for label in LABELS},
+               "extra": "ignored"}
+    got = choose(timings, wanted)
+    # one row: oneDNN is faster (4 < 5) but not row-invariant, so the avx2 kernel; then the fastest
+    assert got["bf16"] == ("avx2", "onednn", "fp32", "onednn", "onednn")
+    assert got["int8"] == ("avx2", "dequant", "dequant", "dequant", "dequant")
+    assert got["int4"] == ("torch",) * 5
+    probe = Probe("avx2", False, modules={"avx2": object()}, choices=got)
+    assert [probe.bf16(r) for r in (1, 3, 20, 100, 2048)] == list(got["bf16"])
+    assert [probe.int8(r) for r in (1, 2, 2048)] == ["avx2", "dequant", "dequant"] and probe.int4() == "torch"
+    assert probe.describe()["table"] == "measured" and probe.describe()["bf16"]["33-128"] == "onednn"
+    with kernels.rows_alone():  # a verify of several rows computes each as the one-row choice
+        assert kernels.choice_rows(40) == 1
+
+
+def test_timings_are_cached_and_timed_again_only_when_they_do_not_cover(tmp_path, monkeypatch):
+    from plugins.kernels import measure
+
+    p = kernels.probe()
+    wanted = {kind: p.candidates(kind) for kind in kernels.KINDS}
+    calls = []
+
+    def fake(wanted_now, layer=measure.LAYER):  # our own timing loop, counted (real runs: next test)
+        calls.append(wanted_now)
+        return {kind: {label: {c: 1.0 + i for i, c in enumerate(wanted_now[kind])} for label in LABELS}
+                for kind in kernels.KINDS}
+
+    monkeypatch.setattr(measure, "time_candidates", fake)
+    path = tmp_path / "choices.json"
+    choices, timings = measure.measured_choices(p, path)
+    assert len(calls) == 1 and path.is_file() and not list(tmp_path.glob(".*.tmp"))
+    assert timings["bf16"]["1"] == {c: 1.0 + i for i, c in enumerate(wanted["bf16"])}
+    assert measure.measured_choices(p, path)[0] == choices and len(calls) == 1  # read back, not timed
+    data = json.loads(path.read_text())
+    del data["int8"]["9-32"][wanted["int8"][0]]  # a candidate the file does not hold: timed again
+    path.write_text(json.dumps(data))
+    measure.measured_choices(p, path)
+    assert len(calls) == 2
+    for bad in ("not json", json.dumps({"bf16": {"1": {"avx2": -1}}}), json.dumps([1, 2])):
+        path.write_text(bad)  # a damaged file is timed again, never trusted
+        measure.measured_choices(p, path)
+    assert len(calls) == 5
+    assert measure.machine_key() == measure.machine_key() and len(measure.machine_key()) == 20
+
+
+def test_every_candidate_runs_and_the_timing_loop_reports_each():
+    """Each candidate this process offers computes the same linear (within bf16 / int8 error), and the
+    real timing loop (on a small layer) gives every candidate a positive time in every bucket."""
+    from plugins.kernels import measure
+    from plugins.kernels.quant import int4_linear, quantize_int4
+
+    p = kernels.probe()
+    w, b = torch.randn(72, 96).bfloat16(), torch.randn(72).bfloat16()
+    x = torch.randn(5, 96).bfloat16()
+    ref = nn.functional.linear(x.float(), w.float(), b.float())
+    for impl in p.candidates("bf16"):
+        out = kernels.linear(x, w, b, packs=PackedWeights(), impl=impl)
+        assert (out.float() - ref).abs().max() <= ref.abs().max() * 2 ** -7 + 1e-2, impl
+    q, scales = quantize_per_channel(w)
+    qref = nn.functional.linear(x.float(), q.float() * scales[:, None], b.float())
+    for impl in p.candidates("int8"):
+        out = int8_linear(x, q, scales.bfloat16(), b, packs=PackedWeights(), impl=impl)
+        assert (out.float() - qref).abs().max() <= qref.abs().max() * 2 ** -6 + 2e-2, impl
+    outs = [int4_linear(x, quantize_int4(w.float(), layout=impl), b) for impl in p.candidates("int4")]
+    assert all((o.float() - outs[0].float()).abs().max() < 0.1 * ref.abs().max() for o in outs)
+    wanted = {kind: p.candidates(kind) for kind in kernels.KINDS}
+    timed = measure.time_candidates(wanted, layer=[(70, 130), (64, 256)])
+    for kind in kernels.KINDS:
+        assert list(timed[kind]) == LABELS
+        assert all(set(timed[kind][label]) == set(wanted[kind]) and min(timed[kind][label].values()) > 0
+                   for label in LABELS)
+
+
+def test_table_mode_switch(monkeypatch):
+    native = kernels.probe()
+    try:
+        monkeypatch.setenv(kernels.TABLE_ENV, "static")
+        kernels.reset()
+        p = kernels.probe()
+        assert p.choices is None and p.describe()["table"] == "static" and "timings_ms" not in p.describe()
+        assert [p.bf16(r) for r in (1, 64)] == [p.static("bf16", 1), p.static("bf16", 64)]
+        monkeypatch.setenv(kernels.TABLE_ENV, "fastest")
+        kernels.reset()
+        with pytest.raises(ValueError, match="PLUGINS_KERNELS_TABLE='fastest': expected 'measured' or 'static'"):
+            kernels.probe()
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+    assert kernels.probe() == native
+    if kernels.table_mode() == "measured":
+        assert native.choices is not None and set(native.timings) == set(kernels.KINDS)
+        for kind in ("bf16", "int8"):  # the choice is the fastest timed, one row among row-invariant ones
+            for i, label in enumerate(LABELS):
+                times = native.timings[kind][label]
+                assert native.choices[kind][i] in times
+                if i > 0:
+                    assert times[native.choices[kind][i]] == min(times.values())
 
 
 def test_onednn_bf16_check_agrees_with_packing():

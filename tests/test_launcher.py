@@ -200,3 +200,75 @@ def test_lost_rank_is_named_right():
     message = str(err.value).splitlines()[0]
     assert "rank 0" not in message and ("rank 1" in message or "workers" in message), message
     remote.close()
+
+
+class Solo:
+    """A backend-shaped object for launcher 'process': one worker, no process group."""
+
+    name = "solo"
+
+    def __init__(self, setting):
+        self.config, self.dtype, self.tp_size, self.setting = {"solo": True}, torch.float32, 1, setting
+
+    @classmethod
+    def from_hf(cls, path, dtype="float32", tp_size=1, setting="x", refuse=False):
+        from plugins.core.config import ConfigError
+
+        if refuse:
+            raise ConfigError("solo refuses this option")
+        return cls(setting)
+
+    def pid(self):
+        return os.getpid(), dist.is_initialized(), os.environ.get("RANK")
+
+    def refuse(self):
+        from plugins.core.config import ConfigError
+
+        raise ConfigError("bad input, said in the worker")
+
+    def crash(self, sig):
+        os.kill(os.getpid(), sig)  # as a native fault would: the signal's default action ends the process
+
+    def close(self):
+        pass
+
+
+SOLO = "tests.test_launcher:Solo"
+
+
+def test_process_launcher_runs_one_plain_worker(monkeypatch):
+    monkeypatch.setenv("RANK", "3")  # a caller that is itself a rank does not pass that on
+    with RemoteBackend(SOLO, ".", tp_size=1, launcher="process", setting="y") as remote:
+        pid, grouped, rank = remote.pid()
+        assert pid != os.getpid() and not grouped and rank is None
+        assert remote.setting == "y" and remote.name == "solo"  # the engine's plain attributes come along
+        from plugins.core.config import ConfigError
+
+        with pytest.raises(ConfigError, match="bad input, said in the worker"):
+            remote.refuse()  # bad input stays a ConfigError across the boundary, and the worker lives on
+        assert remote.pid()[0] == pid
+    with pytest.raises(ValueError, match="one worker"):
+        RemoteBackend(SOLO, ".", tp_size=2, launcher="process")
+
+
+def test_process_launcher_build_refusal_is_a_config_error():
+    from plugins.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="solo refuses"):
+        RemoteBackend(SOLO, ".", tp_size=1, launcher="process", refuse=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGILL, signal.SIGSEGV])
+def test_a_native_crash_in_the_worker_is_one_clear_error(sig):
+    remote = RemoteBackend(SOLO, ".", tp_size=1, launcher="process")
+    pid = remote.pid()[0]
+    with pytest.raises(WorkerError) as err:
+        remote.crash(int(sig))
+    first = str(err.value).splitlines()[0]
+    # the signal by name, the call, and where Python was (faulthandler's dump in the worker's log)
+    assert first.startswith(f"tests.test_launcher:Solo died with {sig.name} while running crash"), first
+    assert "test_launcher.py:" in first and "crash" in first.rpartition("(in ")[2], first
+    assert _wait_gone([pid]) == []
+    with pytest.raises(WorkerError, match="closed"):
+        remote.pid()
+    remote.close()

@@ -40,7 +40,7 @@ def test_int8_linear_matches_dequantized_linear(dtype, in_features):
 
 @pytest.mark.kernels
 def test_int8_linear_prefill_rows_dequantize_to_the_same_result():
-    from plugins.kernels.quant import DEQUANT_ROWS
+    from plugins.kernels import DEQUANT_ROWS
 
     lin = nn.Linear(48, 40).to(torch.bfloat16)
     q, scales = quantize_per_channel(lin.weight)

@@ -103,7 +103,8 @@ def write_markdown(path: Path, result: dict) -> None:
     probe = env.get("cpu_kernels")
     if probe:
         forced = f" (forced by PLUGINS_KERNELS={probe['forced']})" if probe["forced"] else ""
-        lines += [f"CPU linears (plugins.kernels): rung **{probe['rung']}**{forced}; bf16 by rows "
+        lines += [f"CPU linears (plugins.kernels): rung **{probe['rung']}**{forced}, "
+                  f"{probe.get('table', 'static')} choices; bf16 by rows "
                   f"{probe['bf16']}, int8 by rows {probe['int8']}.", ""]
     if result["skipped"]:
         lines += ["Skipped backends:", ""]

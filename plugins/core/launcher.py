@@ -4,7 +4,9 @@
     m.logits(ids, mask); m.generate(ids, mask, 64); m.close()
 
 The parent listens on a private AF_UNIX socket and starts `torchrun` (or `deepspeed`) on this
-file. Every rank joins a gloo group; rank 0 connects back to the parent. Each call travels
+file. Every rank joins a gloo group; rank 0 connects back to the parent. `launcher="process"`
+starts one plain worker process instead (no torchrun, no process group): an engine whose native
+code may crash (the peers) runs there, so that a signal ends that engine, not the caller. Each call travels
 parent -> rank 0 -> all ranks (`broadcast_object_list`); every rank runs it on its shard, and
 rank 0 sends back its result or the traceback of any rank that failed. Every wait has a
 deadline and checks that the workers are still alive, so a dead or stuck rank is an error in
@@ -39,7 +41,8 @@ from pathlib import Path
 import torch
 
 from .backend import backend_class, check_inputs
-from .config import REPO_ROOT
+from .config import REPO_ROOT, ConfigError
+
 PR_SET_PDEATHSIG = 1
 ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
 TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
@@ -54,11 +57,15 @@ def launch_command(launcher: str, nproc: int) -> list[str]:
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "-m", "plugins.core.launcher"]
+    if launcher == "process":
+        if nproc != 1:
+            raise ValueError(f"launcher 'process' runs one worker, got tp_size {nproc}")
+        return [sys.executable, "-X", "faulthandler", "-m", "plugins.core.launcher"]
     if launcher == "deepspeed":  # passes --local_rank=N to the script
         port = free_port()
         return [str(Path(sys.executable).with_name("deepspeed")), f"--num_accelerators={nproc}",
                 f"--master_port={port}", "--module", "plugins.core.launcher"]
-    raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun' or 'deepspeed'")
+    raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun', 'deepspeed' or 'process'")
 
 
 def free_port() -> int:
@@ -67,8 +74,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_worker() -> bool:
+    """Whether this process is a worker started by RemoteBackend."""
+    return ADDRESS_ENV in os.environ
+
+
 class WorkerError(RuntimeError):
     """A worker rank failed, died, or did not answer in time."""
+
+
+def crash_site(log: str) -> str:
+    """Where the innermost Python frame was when a worker died of a signal: faulthandler's dump in the
+    workers' log ('File "...", line N in f' under 'Fatal Python error'), as 'file.py:N f'; '' if none."""
+    dump = log.rpartition("Fatal Python error")[2]
+    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', dump)
+    return f"{Path(found[1]).name}:{found[2]} {found[3]}" if found else ""
 
 
 class RemoteBackend:
@@ -78,7 +98,7 @@ class RemoteBackend:
                  launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, **options):
         command = launch_command(launcher, tp_size)
         self._lock = threading.Lock()  # one call at a time: answers come back in order on one socket
-        self.tp_size = tp_size
+        self.tp_size, self._what = tp_size, name
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="plugins-launcher-"))  # 0700: only we can connect
         self.log_path = self._dir / "workers.log"
@@ -90,6 +110,9 @@ class RemoteBackend:
                       ADDRESS_ENV: str(self._dir / "sock"), TIMEOUT_ENV: str(timeout_s),
                       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                       **(env or {})}
+        if launcher == "process":  # a caller that is itself a rank must not pass its place in a group on
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+                worker_env.pop(key, None)
         with open(self.log_path, "wb") as log:
             # Own session: close() can end torchrun and its ranks as one process group.
             self._proc = subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT,
@@ -105,12 +128,26 @@ class RemoteBackend:
         finally:
             server.close()
         self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
+        for key, value in info["attributes"].items():  # the engine's plain settings (e.g. compute_type)
+            if key not in vars(self) and not hasattr(type(self), key):
+                setattr(self, key, value)
 
     def _deadline_check(self, deadline: float, what: str) -> None:
         if self._proc.poll() is not None:
-            self._fail(f"workers exited with code {self._proc.returncode} while {what}")
+            self._fail(self._exit_reason(what))
         if time.monotonic() > deadline:
             self._fail(f"workers did not answer within {self.timeout_s:g} s while {what}")
+
+    def _exit_reason(self, what: str) -> str:
+        code = self._proc.returncode
+        if code is not None and code < 0:  # our own child died of a signal (launcher 'process')
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"signal {-code}"
+            site = crash_site(self._log_text())
+            return f"{self._what} died with {sig} while {what}" + (f" (in {site})" if site else "")
+        return f"workers exited with code {code} while {what}"
 
     def _fail(self, error: str):
         tail = self.log_tail()
@@ -152,7 +189,12 @@ class RemoteBackend:
                 self._proc.wait(timeout=10)  # let torchrun report why rank 0 went away
             except subprocess.TimeoutExpired:
                 pass
-            self._fail(f"lost {self._failed_rank()} while running {method} (workers exit code {self._proc.poll()})")
+            code = self._proc.poll()
+            if code is not None and code < 0:
+                self._fail(self._exit_reason(f"running {method}"))
+            self._fail(f"lost {self._failed_rank()} while running {method} (workers exit code {code})")
+        if status == "config":  # bad input, refused before any work: the same error as in-process
+            raise ConfigError(value)
         if status == "error":
             raise WorkerError(f"{method} failed in the workers:\n{value}")
         return value
@@ -172,12 +214,15 @@ class RemoteBackend:
 
     def _failed_rank(self) -> str:
         """The rank torchrun names as the root cause ("Root Cause ... rank : N" in its error summary), if any."""
-        try:
-            log = self.log_path.read_text(errors="replace")
-        except OSError:
-            log = ""
+        log = self._log_text()
         found = re.findall(r"^\s*rank\s*:\s*(\d+)", log.rpartition("Root Cause")[2], re.MULTILINE)
         return f"rank {found[0]}" if found else "the workers"
+
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -253,23 +298,27 @@ def _build(name, method, path, dtype, tp_size, options):
     else:
         cls = backend_class(name)
     backend = getattr(cls, method)(path, dtype=dtype, tp_size=tp_size, **options)
-    info = {"name": backend.name, "config": backend.config, "dtype": backend.dtype}
+    plain = (str, int, float, bool, torch.dtype, type(None))
+    info = {"name": backend.name, "config": backend.config, "dtype": backend.dtype,
+            "attributes": {k: v for k, v in vars(backend).items() if not k.startswith("_") and isinstance(v, plain)}}
     return backend, info
 
 
 def worker_main() -> None:
     import torch.distributed as dist
 
-    die_with_parent(signal.SIGKILL)  # torchrun gone: nothing coordinates this rank any more
+    die_with_parent(signal.SIGKILL)  # torchrun (or the caller, launcher 'process') gone: nobody to answer
     timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
-    if not dist.is_initialized():
+    group = "RANK" in os.environ  # started by torchrun / deepspeed; else one plain worker
+    if group and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
     conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
     backend = None
     while True:
         request = [_recv(conn) if rank == 0 else None]
-        dist.broadcast_object_list(request, src=0)
+        if group:
+            dist.broadcast_object_list(request, src=0)
         method, args, kwargs = request[0]
         if method == "__close__":
             break
@@ -279,16 +328,24 @@ def worker_main() -> None:
                 backend, result = _build(*args, **kwargs)
             else:
                 result = getattr(backend, method)(*args, **kwargs)
-        except Exception:
-            error = traceback.format_exc()
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
+        except Exception as exc:
+            error = (traceback.format_exc(), str(exc) if isinstance(exc, ConfigError) else None)
+        errors = [error]
+        if group:
+            errors = [None] * world
+            dist.all_gather_object(errors, error)
         if rank == 0:
-            failed = [f"[rank {r}]\n{e}" for r, e in enumerate(errors) if e]
-            _send(conn, ("error", "\n".join(failed)) if failed else ("ok", result))
+            failed = [(r, e) for r, e in enumerate(errors) if e]
+            if not failed:
+                _send(conn, ("ok", result))
+            elif all(e[1] is not None for _, e in failed):
+                _send(conn, ("config", failed[0][1][1]))
+            else:
+                _send(conn, ("error", "\n".join(f"[rank {r}]\n{e[0]}" for r, e in failed)))
     if backend is not None:
         backend.close()
-    dist.destroy_process_group()
+    if group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

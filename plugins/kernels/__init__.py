@@ -15,9 +15,18 @@ The ladder, fastest first; each rung is a real path with its own tests:
           int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
   torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
 
-`probe()` picks, once per process, the highest rung this CPU supports and whose kernel builds
+`probe()` finds, once per process, the highest rung this CPU supports and whose kernel builds
 (a build failure warns once and steps down), capped by the environment variable
 PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
+
+Which implementation a linear of a given row count runs is then measured, not read from a table of
+CPU flags (plugins/kernels/measure.py): on first use per machine every candidate this CPU runs (our
+kernels, oneDNN's packed bf16 linear, which uses AMX tiles where the CPU has them, torch's own ops)
+is timed on a santacoder-1b layer at one row count per bucket of BUCKETS (decode, verify, batch,
+prefill), and the fastest is used per bucket; the timings are cached beside the compiled kernels,
+keyed by the CPU, torch and our kernel sources. One-row steps choose among row-invariant
+implementations only (`rows_alone`). PLUGINS_KERNELS_TABLE=static skips the timing and uses the
+ladder's fixed choices (`Probe.static`), as tests that check those paths do.
 
 bf16 without a GEMM of ours or oneDNN's (AVX2 CPUs, or a forced rung below avx512f): products with
 more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
@@ -35,7 +44,7 @@ import functools
 import hashlib
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +69,23 @@ TILED = ("avx512", "avx512f")
 ROW_INVARIANT = (*TILED, "avx2")
 
 
+# Row buckets: upper bounds of decode (1), speculative verify (2-8), batched decode (9-32), small
+# prefill (33-128), then prefill; the row count each is timed at (measure.py)
+BUCKETS = (1, 8, 32, 128)
+TIMED_ROWS = (1, 4, 16, 64, 256)
+TABLE_ENV = "PLUGINS_KERNELS_TABLE"
+KINDS = ("bf16", "int8", "int4")
+
+
+def bucket(rows: int) -> int:
+    return next((i for i, top in enumerate(BUCKETS) if rows <= top), len(BUCKETS))
+
+
+def bucket_label(i: int) -> str:
+    low = 1 if i == 0 else BUCKETS[i - 1] + 1
+    return str(low) if i == 0 else f"{low}-{BUCKETS[i]}" if i < len(BUCKETS) else f">{BUCKETS[-1]}"
+
+
 @dataclass(frozen=True)
 class Probe:
     """Which implementation each linear uses on this machine, by dtype and number of rows."""
@@ -68,42 +94,79 @@ class Probe:
     bf16_gemm: bool            # multi-row bf16 has a fast GEMM (oneDNN packing) at this rung
     forced: str | None = None  # the PLUGINS_KERNELS cap, if set
     modules: dict = field(default_factory=dict, compare=False, repr=False)  # compiled kernels by name
+    # measured: kind -> implementation per bucket (None: the static ladder), and the timings behind it
+    choices: dict | None = None
+    timings: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bf16(self, rows: int) -> str:
         """'avx512' | 'avx512f' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights),
         'torch'."""
-        if self.rung in TILED:
-            return self.rung
-        if rows <= 1 and self.rung == "avx2":
-            return "avx2"
-        if rows <= KERNEL_ROWS and self.rung == "avx2":
-            return "avx2"
-        if self.bf16_gemm:
-            return "onednn"
-        return "torch" if rows <= 1 else "fp32"
+        return self.choices["bf16"][bucket(rows)] if self.choices else self.static("bf16", rows)
 
     def int8(self, rows: int) -> str:
-        """'avx512' | 'avx512f' | 'avx2' (our kernels) or 'torch' (aten._weight_int8pack_mm)."""
-        for name in ("avx512", "avx512f"):  # any rows
-            if name in self.modules:
-                return name
-        if rows <= 1 and "avx2" in self.modules:
-            return "avx2"
-        return "torch"
+        """'avx512' | 'avx512f' | 'avx2' (our kernels), 'torch' (aten._weight_int8pack_mm) or 'dequant'
+        (the weight widened to bf16 for the call, then the bf16 choice)."""
+        return self.choices["int8"][bucket(rows)] if self.choices else self.static("int8", rows)
 
     def int4(self) -> str:
-        """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu)."""
+        """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu):
+        one pack per weight, so one answer for every row count (the faster at one row)."""
+        return self.choices["int4"][0] if self.choices else self.static("int4", 1)
+
+    def static(self, kind: str, rows: int) -> str:
+        """The ladder's fixed choice (no timing): what PLUGINS_KERNELS_TABLE=static runs."""
+        if kind == "bf16":
+            if self.rung in TILED:
+                return self.rung
+            if rows <= KERNEL_ROWS and self.rung == "avx2":
+                return "avx2"
+            if self.bf16_gemm:
+                return "onednn"
+            return "torch" if rows <= 1 else "fp32"
+        if kind == "int8":
+            for name in ("avx512", "avx512f"):  # any rows
+                if name in self.modules:
+                    return name
+            if rows <= 1 and "avx2" in self.modules:
+                return "avx2"
+            return "torch" if rows < DEQUANT_ROWS else "dequant"
         return "avx512" if "avx512" in self.modules else "torch"
+
+    def candidates(self, kind: str) -> list[str]:
+        """Every implementation of `kind` this process can run (measure.py times them)."""
+        ours = [name for name in KERNEL_ISA if name in self.modules]
+        if kind == "bf16":
+            return ours + (["onednn"] if self.onednn else []) + ["fp32", "torch"]
+        if kind == "int8":
+            return ours + ["torch", "dequant"]
+        return (["avx512"] if "avx512" in self.modules else []) + ["torch"]
+
+    @property
+    def onednn(self) -> bool:
+        """oneDNN's packed bf16 linear may run here: no cap below its rung, and oneDNN packs bf16."""
+        allowed = self.forced is None or RUNGS.index(self.forced) <= RUNGS.index("onednn")
+        return allowed and onednn_packs_bf16()
 
     def kernel(self, impl: str):
         return self.modules[impl]
 
     def describe(self) -> dict:
-        """What ran, for results.json and the console: the rung and the choice per dtype and rows."""
-        rows = (1, 4, 16, 128)
-        return {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
-                "bf16": {r: self.bf16(r) for r in rows}, "int8": {r: self.int8(r) for r in rows},
-                "int4": self.int4()}
+        """What ran, for results.json and the console: the rung, the choice per dtype and row bucket, and
+        (measured) the best ms per candidate behind each choice."""
+        labels = [bucket_label(i) for i in range(len(BUCKETS) + 1)]
+        rows = [1, *(top for top in BUCKETS[1:]), BUCKETS[-1] + 1]  # a row count in each bucket
+        out = {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
+               "table": "measured" if self.choices else "static",
+               "bf16": {label: self.bf16(r) for label, r in zip(labels, rows)},
+               "int8": {label: self.int8(r) for label, r in zip(labels, rows)}, "int4": self.int4()}
+        if self.timings:
+            out["timings_ms"] = self.timings
+        return out
+
+
+# int8 with torch's kernel: the packed kernel's cost grows with the rows; dequantizing costs a fixed ~2
+# passes over the weight (8 santacoder-1b linears in bf16: 128 rows 79 vs 193 ms, 512 rows 326 vs 276)
+DEQUANT_ROWS = 256
 
 
 def capabilities() -> dict:
@@ -176,24 +239,45 @@ _PROBE: Probe | None = None  # a plain global: torch.compile reads it without tr
 
 
 def probe() -> Probe:
-    """The ladder decision for this process (made on first call; kernels are built then)."""
+    """The ladder decision for this process (made on first call; kernels are built, and on first use
+    per machine the implementations timed, then)."""
     global _PROBE
     if _PROBE is None:
-        _PROBE = _decide()
+        found = _decide(measuring=table_mode() == "measured")
+        if table_mode() == "measured":
+            _PROBE = found  # the timing runs each candidate through `linear` (impl named) at this rung
+            from .measure import measured_choices
+
+            try:
+                choices, timings = measured_choices(found)
+                found = replace(found, choices=choices, timings=timings)
+            except Exception as exc:  # a candidate that fails to run here: the static ladder, said once
+                warnings.warn(f"timing the linear implementations failed ({type(exc).__name__}: {exc}); "
+                              "using the static ladder")
+        _PROBE = found
     return _PROBE
 
 
-def _decide() -> Probe:
+def table_mode() -> str:
+    value = os.environ.get(TABLE_ENV, "").strip().lower() or "measured"
+    if value not in ("measured", "static"):
+        raise ValueError(f"{TABLE_ENV}={value!r}: expected 'measured' or 'static'")
+    return value
+
+
+def _decide(measuring: bool = False) -> Probe:
+    """The rung and the compiled kernels. Timing wants every kernel this CPU runs (below the cap);
+    the static ladder only those it uses."""
     forced = forced_rung()
     allowed = RUNGS[RUNGS.index(forced):] if forced else RUNGS
     caps = capabilities()
     bf16_gemm = "onednn" in allowed and has_bf16_instructions(caps) and onednn_packs_bf16()
     modules = {}
-    # avx2 is also the int8 one-row kernel of the onednn and avx512f rungs; avx512f only where
+    # static: avx2 is also the int8 one-row kernel of the onednn and avx512f rungs; avx512f only where
     # neither avx512 nor oneDNN's bf16 GEMM runs
     for name in ("avx512", "avx512f", "avx2"):
-        if (name in allowed and "avx512" not in modules and not (name == "avx512f" and bf16_gemm)
-                and supported(name, caps)):
+        wanted = measuring or ("avx512" not in modules and not (name == "avx512f" and bf16_gemm))
+        if name in allowed and wanted and supported(name, caps):
             module = build(name)
             if module is not None:
                 modules[name] = module
@@ -280,11 +364,12 @@ def bf16_choice(x: torch.Tensor) -> str | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,
-           packs: PackedWeights | None = None) -> torch.Tensor:
+           packs: PackedWeights | None = None, impl: str | None = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) (then tanh GELU); weight [N, K] stored row-major (nn.Linear's layout).
 
-    bf16 on CPU runs the probe's choice for this many rows; everything else is `F.linear`."""
-    impl = bf16_choice(x)
+    bf16 on CPU runs the probe's choice for this many rows (or `impl`, a name Probe.bf16 gives);
+    everything else is `F.linear`."""
+    impl = impl or bf16_choice(x)
     if impl in TILED:  # without `packs`, the weight is packed for this call only
         packed = (packs or PackedWeights()).get(weight, impl)
         out = probe().kernel(impl).linear_tiles(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0],

@@ -4,7 +4,8 @@ Decode at small batch is bound by reading weights. int8 (per-output-channel symm
 the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI:
 any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX512F: any number of rows; AVX2: one
 row), otherwise torch's own
-`aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel. int4 (groups of
+`aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel, or the weight
+dequantized for the call ('dequant', the choice for many rows where the bf16 GEMM is fast). int4 (groups of
 INT4_GROUP input channels, a scale and a zero point each) quarters them: our AVX512-VNNI kernel on
 bf16 activations (its own pack, read as stored), else torch's CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`).
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import PackedWeights, choice_rows, linear, probe
+from . import TILED, PackedWeights, bf16_choice, choice_rows, linear, probe
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,32 +30,31 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), scales
 
 
-DEQUANT_ROWS = 256
-
-
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                gelu: bool = False, packs: PackedWeights | None = None) -> torch.Tensor:
+                gelu: bool = False, packs: PackedWeights | None = None, impl: str | None = None) -> torch.Tensor:
     """F.linear with an int8 weight (then tanh GELU if asked). `scales` must already be in x's dtype.
-    `packs` keeps the weight packed for the avx512f rung's GEMM (any rows; without it, the stored weight)."""
+    `packs` keeps the weight packed for the avx512f rung's GEMM (any rows; without it, the stored weight).
+    bf16 on CPU runs the probe's choice for this many rows (or `impl`, a name Probe.int8 gives)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    impl = "torch"
-    if x.device.type == "cpu" and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and (
-            bias is None or bias.dtype == torch.bfloat16):
-        impl = probe().int8(choice_rows(x2.shape[0]))
+    if x.device.type != "cpu" or x2.dtype != torch.bfloat16 or torch.compiler.is_compiling() or (
+            bias is not None and bias.dtype != torch.bfloat16):
+        impl = "torch"
+    impl = impl or probe().int8(choice_rows(x2.shape[0]))
     if impl == "avx512f" and packs is not None:
         out = probe().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
-    if impl != "torch":  # our kernel: avx512 / avx512f any rows, avx2 one row
+    if impl not in ("torch", "dequant"):  # our kernels (any rows)
         out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
-    # The packed kernel takes fp32 / bf16 activations, and its cost grows with the rows; dequantizing
-    # (plus packing for oneDNN) costs a fixed ~2 passes over the weight. Measured, 8 santacoder-1b
-    # linears in bf16: 128 rows 79 vs 193 ms, 512 rows 326 vs 276 ms: from 256 rows, dequantize.
-    # aten._weight_int8pack_mm (CPU, torch 2.13) segfaults when K is not a multiple of 16 (tested)
-    if x2.dtype not in (torch.float32, torch.bfloat16) or x2.shape[0] >= DEQUANT_ROWS or (
+    # 'dequant': the weight widened for this call (~2 passes over it, then the bf16 linear's choice);
+    # torch's packed kernel takes fp32 / bf16 activations only, and (CPU, torch 2.13) segfaults when K
+    # is not a multiple of 16 (tested): those dequantize too
+    if impl == "dequant" or x2.dtype not in (torch.float32, torch.bfloat16) or (
             x2.device.type == "cpu" and shape[-1] % 16):
-        out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype))
+        inner = bf16_choice(x2)  # a weight made for this call is not worth packing: oneDNN unpacked
+        out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype),
+                     impl="torch" if inner in TILED or inner == "onednn" else inner)
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
     if bias is not None:
@@ -130,15 +130,17 @@ def pack_int4_tiles(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
     return packed, params.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous().to(torch.bfloat16)
 
 
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16, layout: str | None = None) -> Int4Weight:
     """weight [N, K] -> Int4Weight (the int4_grid levels) for activations of `dtype`, in the pack of the
-    kernel that will run it here."""
+    kernel that will run it here (or of `layout`, a name Probe.int4 gives)."""
     n, k = weight.shape
     q, scales, lo = int4_grid(weight)
     zeros = lo + 8 * scales  # (q - 8) * scale + zero: the zero point is mid-range, small, cheap to round
-    if dtype == torch.bfloat16 and weight.device.type == "cpu" and probe().int4() != "torch":
+    if layout is None:
+        layout = probe().int4() if dtype == torch.bfloat16 and weight.device.type == "cpu" else "torch"
+    if layout != "torch":
         packed, params = pack_int4_tiles(q, scales, zeros)
-        return Int4Weight((n, k), packed, params, probe().int4())
+        return Int4Weight((n, k), packed, params, layout)
     q = F.pad(q.view(n, -1), (0, 0, 0, -n % 64)).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     scale_zeros = F.pad(torch.stack([scales, zeros], -1), (0, 0, 0, 0, 0, -n % 64)).transpose(0, 1)

@@ -1,5 +1,9 @@
 """Engines a user would pick instead of ours, behind the same Backend protocol, converted from our
-checkpoints by each project's own converter: CTranslate2 (ctranslate2.py), llama.cpp (llamacpp.py)."""
+checkpoints by each project's own converter: CTranslate2 (ctranslate2.py), llama.cpp (llamacpp.py).
+
+Each runs in a worker process of its own (`plugins.core.launcher`, launcher 'process'): their native
+code is not ours, and a crash in it (SIGILL from an instruction the build assumed, a segfault) must end
+that engine's rows with one clear error, not the bench or the test session that loaded it."""
 
 from __future__ import annotations
 
@@ -11,6 +15,20 @@ from pathlib import Path
 from plugins.core.tokenizer import TOKENIZER_FILE
 
 EOS = "<|endoftext|>"
+
+
+def in_own_process(cls, hf_dir, dtype, options: dict):
+    """`cls.from_hf(hf_dir, dtype, **options)` run in a worker process (a RemoteBackend), when called
+    outside one; None inside the worker, where the engine loads in-process."""
+    from plugins.core.launcher import RemoteBackend, in_worker
+
+    if in_worker():
+        return None
+    import torch
+
+    # the caller's thread count, as an in-process engine would take it
+    options = {**options, "threads": options.get("threads") or torch.get_num_threads()}
+    return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=1, launcher="process", **options)
 
 
 @contextlib.contextmanager

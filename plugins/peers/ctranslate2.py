@@ -21,7 +21,7 @@ from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import ConfigError
 
-from . import staged_checkpoint
+from . import in_own_process, staged_checkpoint
 
 COMPUTE_TYPES = {"float32": "float32", "fp32": "float32", "int8": "int8_float32", "int8_float32": "int8_float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "int8_bfloat16": "int8_bfloat16"}
@@ -75,6 +75,9 @@ class CTranslate2Backend(LocalBackend):
         config = read_hf_config(hf_dir)
         check_load(config, tp_size, max_tp=1)
         cls.check_options(config, tp_size, compute_type=compute_type)
+        remote = in_own_process(cls, hf_dir, dtype, {"compute_type": compute_type, "threads": threads})
+        if remote is not None:
+            return remote
         compute = COMPUTE_TYPES[compute_type or (dtype if isinstance(dtype, str) else str(dtype).split(".")[-1])]
         import ctranslate2
 

@@ -24,7 +24,7 @@ from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import REPO_ROOT, ConfigError
 
-from . import staged_checkpoint
+from . import in_own_process, staged_checkpoint
 
 # weights -> (converter --outtype, libllama ftype to quantize to after it or None)
 WEIGHTS = {"f32": ("f32", None), "f16": ("f16", None), "bf16": ("bf16", None), "q8_0": ("q8_0", None),
@@ -140,6 +140,9 @@ class LlamaCppBackend(LocalBackend):
         check_load(config, tp_size, max_tp=1)
         cls.check_options(config, tp_size, weights=weights)
         weights = weights_name(weights, dtype)
+        remote = in_own_process(cls, hf_dir, dtype, {"weights": weights, "threads": threads})
+        if remote is not None:
+            return remote
         threads = threads or torch.get_num_threads()
         path = convert(Path(hf_dir), weights, threads)
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())

@@ -1,0 +1,186 @@
+"""Choose each linear's implementation by timing it on this machine (the probe's measured table).
+
+On first use per machine, every candidate of `Probe.candidates` (bf16, int8, int4) runs the four
+linears of one santacoder-1b layer (85 MB of bf16 weights: past the caches, as a real step is) at
+one row count per bucket (TIMED_ROWS), interleaved with the other candidates of that bucket, best
+of a few passes. A candidate whose first pass takes several times the best so far is not run again.
+The fastest per bucket is chosen; the decode bucket (one row) chooses among row-invariant
+implementations only, since exact speculative verification (`rows_alone`) runs every row as that
+one-row choice. The timings are kept in a JSON file beside the compiled kernels, keyed by the CPU's
+model name and flags, the torch version, the thread count and our kernel sources, so the next process
+reads them; a file lock keeps concurrent processes (tensor-parallel ranks) from timing at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import BUCKETS, CSRC, KINDS, ROW_INVARIANT, TIMED_ROWS, PackedWeights, Probe, bucket_label, linear
+from .quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
+
+# [out, in] of one santacoder-1b layer: c_attn (MQA), attn c_proj, mlp c_fc, mlp c_proj
+LAYER = [(2304, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
+PASSES = 3          # timed passes per candidate and bucket (after one untimed)
+GIVE_UP = 4.0       # a candidate this many times slower than the best on its first pass is not timed on
+FORMAT = 1          # bump when the file's meaning changes
+# int8 implementations whose rows are computed as each row alone (exact integer sums)
+INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def machine_key() -> str:
+    """What the timings depend on: CPU, its flags, torch, threads, our kernel sources."""
+    flags = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+    sources = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.*")))
+    text = json.dumps([FORMAT, cpu_model(), flags, torch.__version__, torch.get_num_threads(), LAYER, TIMED_ROWS,
+                       hashlib.sha256(sources).hexdigest()])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("kernel_choices", verbose=False))
+
+
+def measured_choices(p: Probe, path: Path | None = None) -> tuple[dict, dict]:
+    """(choices: kind -> implementation per bucket, timings: kind -> bucket label -> {impl: ms}) for the
+    candidates `p` offers, from the cache file when it holds them all, else timed now (and cached)."""
+    path = path or cache_dir() / f"{machine_key()}.json"
+    wanted = {kind: p.candidates(kind) for kind in KINDS}
+    timings = _read(path)
+    if not _covers(timings, wanted):
+        with _locked(path.with_suffix(".lock")):
+            timings = _read(path)  # another process may have timed them meanwhile
+            if not _covers(timings, wanted):
+                from plugins.core.console import announce
+
+                announce("timing the CPU linear implementations on this machine (once, ~10-30 s)...")
+                timings = _merge(timings, time_candidates(wanted))
+                _write(path, timings)
+    return choose(timings, wanted), {k: {b: {i: timings[k][b][i] for i in wanted[k]} for b in timings[k]}
+                                     for k in KINDS}
+
+
+def choose(timings: dict, wanted: dict) -> dict:
+    """The fastest candidate per kind and bucket; the one-row bucket among row-invariant ones (if any)."""
+    choices = {}
+    for kind in KINDS:
+        invariant = ROW_INVARIANT if kind == "bf16" else INT8_ROW_INVARIANT if kind == "int8" else wanted[kind]
+        row = []
+        for i in range(len(BUCKETS) + 1):
+            times = timings[kind][bucket_label(i)]
+            pool = [c for c in wanted[kind] if i > 0 or c in invariant] or wanted[kind]
+            row.append(min(pool, key=lambda c: times[c]))
+        choices[kind] = tuple(row)
+    return choices
+
+
+def time_candidates(wanted: dict, layer=LAYER) -> dict:
+    """kind -> bucket label -> {impl: best ms of one pass over `layer`'s linears}."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in layer]
+    biases = [torch.randn(n, generator=gen).bfloat16() for n, _ in layer]
+    int8 = [(q, s.bfloat16()) for q, s in map(quantize_per_channel, weights)]
+    int4 = {impl: [quantize_int4(w.float(), layout=impl) for w in weights] for impl in wanted["int4"]}
+    packs = PackedWeights()
+
+    def runner(kind, impl, x):
+        if kind == "bf16":
+            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl) for w, b in zip(weights, biases)]
+        if kind == "int8":
+            return lambda: [int8_linear(x[q.shape[1]], q, s, b, False, packs, impl) for (q, s), b in zip(int8, biases)]
+        return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(int4[impl], biases)]
+
+    x = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+    for kind in KINDS:  # packs made (once per weight, as in a model) before anything is timed
+        for impl in wanted[kind]:
+            runner(kind, impl, x)()
+    out = {kind: {} for kind in KINDS}
+    for i, rows in enumerate(TIMED_ROWS):
+        x = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+        for kind in KINDS:
+            out[kind][bucket_label(i)] = _race({impl: runner(kind, impl, x) for impl in wanted[kind]})
+    return out
+
+
+def _race(fns: dict) -> dict:
+    """Best ms per function: one pass each, then PASSES rounds
+    that run every remaining function once in turn, so a swing of the machine's bandwidth hits all."""
+    first = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        first[name] = (time.perf_counter() - start) * 1e3
+    best = dict(first)
+    live = [n for n in fns if first[n] <= GIVE_UP * min(first.values())]
+    for _ in range(PASSES):
+        for name in live:
+            start = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return {name: round(ms, 3) for name, ms in best.items()}
+
+
+def _covers(timings: dict | None, wanted: dict) -> bool:
+    try:
+        return all(set(wanted[k]) <= set(timings[k][bucket_label(i)])
+                   for k in KINDS for i in range(len(BUCKETS) + 1))
+    except (KeyError, TypeError):
+        return False
+
+
+def _merge(old: dict | None, new: dict) -> dict:
+    """New timings replace old ones per kind and bucket (a kind timed again is timed whole)."""
+    merged = {k: dict((old or {}).get(k) or {}) for k in KINDS}
+    for kind, buckets in new.items():
+        merged[kind].update(buckets)
+    return merged
+
+
+def _read(path: Path) -> dict | None:
+    """The cached timings, or None when absent or not of the expected shape (then timed again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and all(
+        isinstance(data.get(k), dict) and all(
+            isinstance(b, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in b.values())
+            for b in data[k].values()) for k in KINDS)
+    return data if ok else None
+
+
+def _write(path: Path, timings: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(timings, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
