@@ -10,6 +10,9 @@ cache and a [n, t + 1] mask, no per-row lengths, no gathers.
   `generate` on that request alone), its first token sampled, and its KV copied into row n at
   columns [t - P, t). A prompt longer than `t` shifts the running rows right first.
 - Release: the last active row moves into the freed row, so rows stay packed.
+- Failure of one request: an error raised while admitting or sampling for one request (not by the
+  engine's forward over the batch) ends that request alone, reported in the step's "failed"; the
+  other rows go on.
 - Compaction: when column `capacity` is reached (or half of every row is padding) all rows shift
   left by their common padding. Every request fits (prompt + max_new_tokens <= capacity), so the
   common padding is never zero when it is needed.
@@ -67,6 +70,23 @@ class BatchRequest:
     eos_token_id: int | None = None  # stop at this token (it is returned)
 
 
+def check_request(request: BatchRequest, capacity: int) -> None:
+    """What a KV slot of `capacity` columns can take (checked before a request is admitted)."""
+    if not request.prompt:
+        raise ConfigError("a request needs at least one prompt token")
+    if request.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if len(request.prompt) + request.max_new_tokens > capacity:
+        raise ConfigError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                          f"exceeds the context of {capacity} tokens")
+
+
+def _message(exc: BaseException) -> str:
+    """One short line for the client whose request failed (no traceback, no internals)."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 @dataclass
 class _Row:
     request: BatchRequest
@@ -94,18 +114,13 @@ class ContinuousBatch:
         return len(self.rows)
 
     def check(self, request: BatchRequest) -> None:
-        if not request.prompt:
-            raise ConfigError("a request needs at least one prompt token")
-        if request.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if len(request.prompt) + request.max_new_tokens > self.capacity:
-            raise ConfigError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                              f"exceeds the context of {self.capacity} tokens")
+        check_request(request, self.capacity)
 
     @torch.inference_mode()
     def step(self, admit: list[BatchRequest] = (), release: list[int] = ()) -> dict:
         """Drop `release` (ids), prefill and place `admit`, then one decode step for every active row.
-        Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"}}."""
+        Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
+        "failed": {id: message}} (requests that raised alone, now released)."""
         for request in admit:
             self.check(request)
         if self.n + len(admit) > self.slots:
@@ -117,11 +132,19 @@ class ContinuousBatch:
                     break
         out: dict[int, list[int]] = {}
         finished: dict[int, str] = {}
+        failed: dict[int, str] = {}
         for request in admit:
-            self._admit(request, out, finished)
+            n = self.n
+            try:
+                self._admit(request, out, finished)
+            except Exception as exc:  # this request alone (a row is placed only at the end of _admit)
+                del self.rows[n:]
+                out.pop(request.id, None)
+                finished.pop(request.id, None)
+                failed[request.id] = _message(exc)
         if self.rows:
-            self._decode(out, finished)
-        result = {"tokens": out, "finished": finished}
+            self._decode(out, finished, failed)
+        result = {"tokens": out, "finished": finished, "failed": failed}
         if self.prefix:
             result["prefix_cache"] = self.prefix.stats()
         return result
@@ -158,7 +181,7 @@ class ContinuousBatch:
         self.pos[i, 0] = p
         self.rows.append(row)
 
-    def _decode(self, out: dict, finished: dict) -> None:
+    def _decode(self, out: dict, finished: dict, failed: dict) -> None:
         if self.t == self.capacity:
             self._compact()
         n, t = self.n, self.t
@@ -169,9 +192,12 @@ class ContinuousBatch:
         if all(not row.request.do_sample for row in self.rows):
             tokens = logits.float().argmax(-1).tolist()
         else:
-            tokens = [int(row.sampler(logits[r:r + 1])[0]) for r, row in enumerate(self.rows)]
+            tokens = [self._sample(row, logits[r:r + 1], failed) for r, row in enumerate(self.rows)]
         done = []
         for r, (row, token) in enumerate(zip(self.rows, tokens)):
+            if token is None:  # its sampling raised: released, reported in `failed`
+                done.append(r)
+                continue
             self.last[r, 0] = token
             if self._emit(row, token, out, finished):
                 done.append(r)
@@ -179,6 +205,14 @@ class ContinuousBatch:
             self._remove(r)
         if self.n and self._padding() * 2 >= self.t:
             self._compact()
+
+    @staticmethod
+    def _sample(row: _Row, logits: torch.Tensor, failed: dict) -> int | None:
+        try:
+            return int(row.sampler(logits)[0])
+        except Exception as exc:
+            failed[row.request.id] = _message(exc)
+            return None
 
     def _remove(self, r: int) -> None:
         last = self.n - 1

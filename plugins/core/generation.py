@@ -34,8 +34,15 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+SEED_SPAN = 2 ** 63  # any integer seed is reduced into [0, 2^63) (torch's generator takes 64 bits)
+
+
 class Sampler:
-    """Greedy, or temperature / top-k / top-p sampling from a seeded generator."""
+    """Greedy, or temperature / top-k / top-p sampling from a seeded generator.
+
+    Sampling runs in float64 on logits minus their maximum, so no temperature > 0 (down to 5e-324) or
+    top_p > 0 can make inf or NaN probabilities: the most likely token's scaled logit stays 0, the
+    others fall to -inf at worst, and top-p always keeps the most likely token."""
 
     def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0):
@@ -50,23 +57,25 @@ class Sampler:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed % SEED_SPAN)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
         if not self.do_sample:
-            return logits.argmax(-1)
-        logits = logits / self.temperature
+            return logits.float().argmax(-1)
+        device = logits.device
+        logits = logits.double().cpu()
+        logits = (logits - logits.amax(-1, keepdim=True)) / float(self.temperature)
         if self.top_k:
             kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1.0:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the smallest set reaching top_p
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= self.top_p  # keep the smallest set reaching top_p
+            drop[:, 0] = False  # and the most likely token, however small top_p is
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        probs = logits.softmax(-1).cpu()
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(device)
 
 
 @torch.inference_mode()

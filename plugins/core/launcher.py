@@ -98,7 +98,7 @@ class RemoteBackend:
                  launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, **options):
         command = launch_command(launcher, tp_size)
         self._lock = threading.Lock()  # one call at a time: answers come back in order on one socket
-        self.tp_size, self._what = tp_size, name
+        self.tp_size, self._what, self._pids = tp_size, name, []
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="plugins-launcher-"))  # 0700: only we can connect
         self.log_path = self._dir / "workers.log"
@@ -128,13 +128,31 @@ class RemoteBackend:
         finally:
             server.close()
         self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
+        self._pids = info.get("pids", [])  # rank r's process id
         for key, value in info["attributes"].items():  # the engine's plain settings (e.g. compute_type)
             if key not in vars(self) and not hasattr(type(self), key):
                 setattr(self, key, value)
 
+    def dead_worker(self) -> str | None:
+        """None while every rank lives; else which one died (a watcher can ask this between calls)."""
+        if self._conn is None:
+            return None  # closed (or already failed: that call raised)
+        for rank, pid in enumerate(self._pids):
+            if not process_alive(pid):
+                return f"{self._rank_name(rank)} (pid {pid}) died"
+        if self._proc.poll() is not None:
+            return f"the worker processes exited (code {self._proc.returncode})"
+        return None
+
+    def _rank_name(self, rank: int) -> str:
+        return f"tensor-parallel rank {rank}" if self.tp_size > 1 else f"the {self._what} worker"
+
     def _deadline_check(self, deadline: float, what: str) -> None:
         if self._proc.poll() is not None:
             self._fail(self._exit_reason(what))
+        dead = [r for r, pid in enumerate(self._pids) if not process_alive(pid)]
+        if dead:  # before torchrun notices and ends the others
+            self._fail(f"lost {self._rank_name(dead[0])} while {what}")
         if time.monotonic() > deadline:
             self._fail(f"workers did not answer within {self.timeout_s:g} s while {what}")
 
@@ -261,6 +279,20 @@ def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] != "Z"
+    except OSError:
+        return True
+
+
 def die_with_parent(sig: int) -> None:
     """Linux: have the kernel send `sig` to this process when its parent dies (no-op elsewhere)."""
     try:
@@ -313,6 +345,10 @@ def worker_main() -> None:
     if group and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    pids = [os.getpid()]  # rank r's process id, for the parent's liveness checks
+    if group:
+        pids = [None] * world
+        dist.all_gather_object(pids, os.getpid())
     conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
     backend = None
     while True:
@@ -326,6 +362,7 @@ def worker_main() -> None:
         try:
             if method == "__build__":
                 backend, result = _build(*args, **kwargs)
+                result["pids"] = pids
             else:
                 result = getattr(backend, method)(*args, **kwargs)
         except Exception as exc:

@@ -69,10 +69,12 @@ TILED = ("avx512", "avx512f")
 ROW_INVARIANT = (*TILED, "avx2")
 
 
-# Row buckets: upper bounds of decode (1), speculative verify (2-8), batched decode (9-32), small
-# prefill (33-128), then prefill; the row count each is timed at (measure.py)
-BUCKETS = (1, 8, 32, 128)
-TIMED_ROWS = (1, 4, 16, 64, 256)
+# Row buckets: upper bounds of decode (1), speculative verify (2-8), batched decode (9-32), one short
+# prompt's prefill (33-128), prefill (129-512), then batched prefill; the row count each is timed at
+# (measure.py). Batched prefill has its own: at 2048 rows converting the whole weight for one fp32
+# GEMM beat per-thread converted tiles by 1.3-1.6x, at 256 rows it lost by 1.6x (AVX2 EPYC, 2 threads)
+BUCKETS = (1, 8, 32, 128, 512)
+TIMED_ROWS = (1, 4, 16, 64, 256, 2048)
 TABLE_ENV = "PLUGINS_KERNELS_TABLE"
 KINDS = ("bf16", "int8", "int4")
 
@@ -99,8 +101,8 @@ class Probe:
     timings: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bf16(self, rows: int) -> str:
-        """'avx512' | 'avx512f' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMM on converted weights),
-        'torch'."""
+        """'avx512' | 'avx512f' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMMs on weight tiles each
+        thread converts), 'fp32-whole' (the weight converted for the call, one fp32 GEMM), 'torch'."""
         return self.choices["bf16"][bucket(rows)] if self.choices else self.static("bf16", rows)
 
     def int8(self, rows: int) -> str:
@@ -136,7 +138,7 @@ class Probe:
         """Every implementation of `kind` this process can run (measure.py times them)."""
         ours = [name for name in KERNEL_ISA if name in self.modules]
         if kind == "bf16":
-            return ours + (["onednn"] if self.onednn else []) + ["fp32", "torch"]
+            return ours + (["onednn"] if self.onednn else []) + (["fp32"] if ours else []) + ["fp32-whole", "torch"]
         if kind == "int8":
             return ours + ["torch", "dequant"]
         return (["avx512"] if "avx512" in self.modules else []) + ["torch"]
@@ -382,9 +384,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         packed = (packs or PackedWeights()).get(weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if gelu else "none", [],
                                                   "tanh" if gelu else "")
-    if impl == "fp32":
+    if impl in ("fp32", "fp32-whole"):
         module = next(iter(probe().modules.values()), None) if not torch.compiler.is_compiling() else None
-        if module is not None:
+        if module is not None and impl == "fp32":
             out = module.linear_fp32(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
             return out.view(*x.shape[:-1], weight.shape[0])
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())

@@ -2,8 +2,11 @@
 
 On first use per machine, every candidate of `Probe.candidates` (bf16, int8, int4) runs the four
 linears of one santacoder-1b layer (85 MB of bf16 weights: past the caches, as a real step is) at
-one row count per bucket (TIMED_ROWS), interleaved with the other candidates of that bucket, best
-of a few passes. A candidate whose first pass takes several times the best so far is not run again.
+one row count per bucket (TIMED_ROWS; the last, 2048 rows, on its two MLP linears only), interleaved
+with the other candidates of that bucket, best of a few passes (fewer where a pass is long). A
+candidate whose first pass takes several times the best is not run again, and from 64 rows on (where
+per-row cost dominates fixed costs such as a conversion) not timed at larger row counts either (null
+in the table: it cannot be chosen there).
 The fastest per bucket is chosen; the decode bucket (one row) chooses among row-invariant
 implementations only, since exact speculative verification (`rows_alone`) runs every row as that
 one-row choice. The timings are kept in a JSON file beside the compiled kernels, keyed by the CPU's
@@ -28,9 +31,11 @@ from .quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
 
 # [out, in] of one santacoder-1b layer: c_attn (MQA), attn c_proj, mlp c_fc, mlp c_proj
 LAYER = [(2304, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
-PASSES = 3          # timed passes per candidate and bucket (after one untimed)
-GIVE_UP = 4.0       # a candidate this many times slower than the best on its first pass is not timed on
-FORMAT = 1          # bump when the file's meaning changes
+PASSES = 3          # more timed passes per candidate and bucket after the first,
+RACE_BUDGET_S = 3.0  # while a bucket's race has taken less than this
+GIVE_UP = 4.0       # a candidate this many times slower than the best is not timed again (nor at more rows)
+DROP_FROM_ROWS = 64  # from this many rows a candidate GIVE_UP times slower is not timed at more rows
+FORMAT = 2          # bump when the file's meaning changes
 # int8 implementations whose rows are computed as each row alone (exact integer sums)
 INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
 
@@ -48,9 +53,9 @@ def cpu_model() -> str:
 
 
 def machine_key() -> str:
-    """What the timings depend on: CPU, its flags, torch, threads, our kernel sources."""
+    """What the timings depend on: CPU, its flags, torch, threads, our kernel sources and this file."""
     flags = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
-    sources = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.*")))
+    sources = b"".join(p.read_bytes() for p in [*sorted(CSRC.glob("*.*")), Path(__file__)])
     text = json.dumps([FORMAT, cpu_model(), flags, torch.__version__, torch.get_num_threads(), LAYER, TIMED_ROWS,
                        hashlib.sha256(sources).hexdigest()])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -74,7 +79,7 @@ def measured_choices(p: Probe, path: Path | None = None) -> tuple[dict, dict]:
             if not _covers(timings, wanted):
                 from plugins.core.console import announce
 
-                announce("timing the CPU linear implementations on this machine (once, ~10-30 s)...")
+                announce("timing the CPU linear implementations on this machine (once per machine and thread count, ~30-60 s)...")
                 timings = _merge(timings, time_candidates(wanted))
                 _write(path, timings)
     return choose(timings, wanted), {k: {b: {i: timings[k][b][i] for i in wanted[k]} for b in timings[k]}
@@ -89,7 +94,8 @@ def choose(timings: dict, wanted: dict) -> dict:
         row = []
         for i in range(len(BUCKETS) + 1):
             times = timings[kind][bucket_label(i)]
-            pool = [c for c in wanted[kind] if i > 0 or c in invariant] or wanted[kind]
+            timed = [c for c in wanted[kind] if times[c] is not None]
+            pool = [c for c in timed if i > 0 or c in invariant] or timed
             row.append(min(pool, key=lambda c: times[c]))
         choices[kind] = tuple(row)
     return choices
@@ -104,28 +110,41 @@ def time_candidates(wanted: dict, layer=LAYER) -> dict:
     int4 = {impl: [quantize_int4(w.float(), layout=impl) for w in weights] for impl in wanted["int4"]}
     packs = PackedWeights()
 
-    def runner(kind, impl, x):
+    def runner(kind, impl, x, only=None):
+        pick = (lambda seq: seq) if only is None else (lambda seq: [seq[j] for j in only])
         if kind == "bf16":
-            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl) for w, b in zip(weights, biases)]
+            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl) for w, b in zip(pick(weights), pick(biases))]
         if kind == "int8":
-            return lambda: [int8_linear(x[q.shape[1]], q, s, b, False, packs, impl) for (q, s), b in zip(int8, biases)]
-        return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(int4[impl], biases)]
+            return lambda: [int8_linear(x[q.shape[1]], q, s, b, False, packs, impl)
+                            for (q, s), b in zip(pick(int8), pick(biases))]
+        return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(pick(int4[impl]), pick(biases))]
 
     x = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
     for kind in KINDS:  # packs made (once per weight, as in a model) before anything is timed
         for impl in wanted[kind]:
             runner(kind, impl, x)()
     out = {kind: {} for kind in KINDS}
+    dropped = {kind: set() for kind in KINDS}
+    last = len(TIMED_ROWS) - 1
     for i, rows in enumerate(TIMED_ROWS):
         x = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+        # the last bucket on the MLP's two linears (80 % of the FLOPs; their shapes favour different paths)
+        only = sorted(range(len(layer)), key=lambda j: -layer[j][0] * layer[j][1])[:2] if i == last else None
         for kind in KINDS:
-            out[kind][bucket_label(i)] = _race({impl: runner(kind, impl, x) for impl in wanted[kind]})
+            live = {impl: runner(kind, impl, x, only) for impl in wanted[kind] if impl not in dropped[kind]}
+            times = _race(live)
+            best = min(times.values())
+            if rows >= DROP_FROM_ROWS:  # compute-bound from here: a fixed cost (a conversion) no longer hides
+                dropped[kind] |= {impl for impl, ms in times.items() if ms > GIVE_UP * best}
+            out[kind][bucket_label(i)] = {impl: times.get(impl) for impl in wanted[kind]}
     return out
 
 
 def _race(fns: dict) -> dict:
-    """Best ms per function: one pass each, then PASSES rounds
-    that run every remaining function once in turn, so a swing of the machine's bandwidth hits all."""
+    """Best ms per function: one pass each, then up to PASSES rounds (while the race is under
+    RACE_BUDGET_S) that run every remaining function once in turn, so a swing of the machine's
+    bandwidth hits all."""
+    began = time.perf_counter()
     first = {}
     for name, fn in fns.items():
         start = time.perf_counter()
@@ -134,11 +153,13 @@ def _race(fns: dict) -> dict:
     best = dict(first)
     live = [n for n in fns if first[n] <= GIVE_UP * min(first.values())]
     for _ in range(PASSES):
+        if time.perf_counter() - began > RACE_BUDGET_S:
+            break
         for name in live:
             start = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    return {name: round(ms, 3) for name, ms in best.items()}
+    return {name: max(round(ms, 4), 1e-4) for name, ms in best.items()}
 
 
 def _covers(timings: dict | None, wanted: dict) -> bool:
@@ -165,8 +186,8 @@ def _read(path: Path) -> dict | None:
         return None
     ok = isinstance(data, dict) and all(
         isinstance(data.get(k), dict) and all(
-            isinstance(b, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in b.values())
-            for b in data[k].values()) for k in KINDS)
+            isinstance(b, dict) and all(v is None or isinstance(v, (int, float)) and v > 0 for v in b.values())
+            and any(v is not None for v in b.values()) for b in data[k].values()) for k in KINDS)
     return data if ok else None
 
 

@@ -52,9 +52,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     # is not a multiple of 16 (tested): those dequantize too
     if impl == "dequant" or x2.dtype not in (torch.float32, torch.bfloat16) or (
             x2.device.type == "cpu" and shape[-1] % 16):
-        inner = bf16_choice(x2)  # a weight made for this call is not worth packing: oneDNN unpacked
-        out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype),
-                     impl="torch" if inner in TILED or inner == "onednn" else inner)
+        inner = bf16_choice(x2)
+        if inner in ("fp32", "fp32-whole"):  # straight to fp32: one conversion
+            out = F.linear(x2.float(), q.float() * scales[:, None].float()).to(x2.dtype)
+        else:  # a weight made for this call is not worth packing: oneDNN unpacked
+            out = linear(x2, q.to(x2.dtype) * scales[:, None].to(x2.dtype),
+                         impl="torch" if inner in TILED or inner == "onednn" else inner)
     else:
         out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), q, scales)
     if bias is not None:

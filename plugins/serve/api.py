@@ -7,6 +7,7 @@ OpenAI-style error body) rather than silently ignored.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Union
@@ -62,11 +63,49 @@ def _unsupported(value, default, name: str, what: str) -> None:
         raise RequestError(f"`{name}` is not supported by this server ({what})", name)
 
 
+MAX_JSON_DEPTH = 32  # a completion request nests 3 deep; the parser's recursion stays far away
+# a JSON string (escapes included) or one bracket: strings are skipped whole, brackets counted
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """At most how deep `raw`'s arrays and objects nest, exact past `limit` (a C regex scan: cheap)."""
+    depth = deepest = 0
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return min(raw.count(b"[") + raw.count(b"{"), limit)  # cannot nest deeper than it has brackets
+    for match in _JSON_TOKEN.finditer(raw):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def _valid_unicode(value, name: str) -> None:
+    """JSON may carry lone UTF-16 surrogates (\\ud800); no tokenizer takes them."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"`{name}` is not valid Unicode (a lone surrogate)", name) from None
+
+
 def parse_completion(raw: bytes) -> CompletionRequest:
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # an integer past Python's int-string limit (4300 digits)
+        raise RequestError("the request body holds a number too long to read (over 4300 digits)") from None
+    except RecursionError:
+        raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
     try:
@@ -77,6 +116,8 @@ def parse_completion(raw: bytes) -> CompletionRequest:
         if first["type"] == "extra_forbidden":
             raise RequestError(f"unknown field `{param}`", param) from None
         raise RequestError(f"`{param}`: {first['msg']}", param) from None
+    for name in ("model", "prompt", "suffix", "stop", "user"):
+        _valid_unicode(getattr(req, name), name)
     _unsupported(req.n, 1, "n", "one completion per request: send n = 1")
     _unsupported(req.best_of, 1, "best_of", "one completion per request")
     _unsupported(req.echo, False, "echo", "the prompt is not echoed")
@@ -102,7 +143,8 @@ def stop_list(req: CompletionRequest) -> list[str]:
 
 
 def sampling(req: CompletionRequest) -> dict:
-    """BatchRequest sampling fields: temperature 0 is greedy; no seed draws one (OpenAI: best effort)."""
+    """BatchRequest sampling fields: temperature 0 is greedy; no seed draws one (OpenAI: best effort).
+    Any integer seed is taken, reduced into [0, 2^63) (seed and seed + 2^63 sample alike)."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     greedy = temperature == 0
     return {"do_sample": not greedy, "temperature": 1.0 if greedy else temperature,

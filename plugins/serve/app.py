@@ -16,8 +16,11 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from plugins.core.batching import BatchRequest
+from plugins.core.config import ConfigError
 
 from .api import (RequestError, completion_body, completion_id, parse_completion, sampling, stop_list, usage)
 from .scheduler import QueueFull, Request, Scheduler, ServerClosing
@@ -26,13 +29,27 @@ from .text import EOS_NAMES, StreamText, encode_prompt, special_id
 MAX_BODY_BYTES = 4 << 20
 
 
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token stands for: a byte-level BPE token's string
+    has one character per byte, and each character is at least one byte in UTF-8. None where a
+    normalizer could shrink text before it is split (then no bound holds)."""
+    if tokenizer.normalizer is not None:
+        return None
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 class Served:
     """What the app serves: the scheduler (over an open backend), its tokenizer and the model id."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
         self.eos = special_id(tokenizer, EOS_NAMES)
         self.created = int(time.time())
+        self.max_body_bytes = max_body_bytes
+        per_token = max_token_bytes(tokenizer)
+        # a prompt (+ suffix) of more bytes than this cannot fit the context: refused before tokenizing
+        self.max_prompt_bytes = None if per_token is None else per_token * (scheduler.capacity - 1)
 
 
 def create_app(served: Served, on_shutdown=None) -> FastAPI:
@@ -40,10 +57,11 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     async def lifespan(app):
         yield
         # uvicorn has stopped accepting and waited for open requests (its graceful timeout)
-        failed = await run_in_threadpool(served.scheduler.close)
+        await run_in_threadpool(served.scheduler.close)
         if on_shutdown is not None:
             await run_in_threadpool(on_shutdown)
-        print(f"server shut down: backend closed, {failed} unfinished request(s) failed", flush=True)
+        print(f"server shut down: backend closed, {served.scheduler.failed_at_close} unfinished request(s) "
+              "failed", flush=True)
 
     app = FastAPI(title="mqa-plugins completions server", lifespan=lifespan)
     sched = served.scheduler
@@ -52,6 +70,18 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     async def request_error(_, exc: RequestError):
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):  # 404, 405, ...: OpenAI's body too
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(RequestError(str(exc.detail), status=exc.status_code, kind=kind).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(http: HTTPRequest, exc: Exception):  # a bug of ours: one log line, a body, no traceback
+        print(f"unexpected error on {http.method} {http.url.path}: {type(exc).__name__}: {exc}", flush=True)
+        return JSONResponse(RequestError("internal server error", status=500, kind="server_error").body(),
+                            status_code=500)
 
     @app.get("/health")
     async def health():
@@ -71,11 +101,19 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
         arrived = time.monotonic()  # TTFT counts tokenization and queueing too
+        limit = served.max_body_bytes
+        too_big = RequestError(f"request body over {limit} bytes (--max-body-bytes)", status=413)
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
         body = bytearray()
-        async for chunk in http.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise RequestError(f"request body over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        try:
+            async for chunk in http.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+        except ClientDisconnect:  # gone mid-body (or cut by the read deadline): nobody to answer
+            return Response(status_code=400)
         req = parse_completion(bytes(body))
         if req.model != served.model_id:
             raise RequestError(f"model {req.model!r} does not exist; this server serves {served.model_id!r}",
@@ -92,6 +130,8 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
             sched.submit(entry)
         except (QueueFull, ServerClosing) as e:
             raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
+        except ConfigError as e:
+            raise RequestError(str(e)) from None
         text = StreamText(served.tokenizer, stop_list(req), skip_ids={served.eos} - {None})
         cid, created = completion_id(), int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -101,11 +141,18 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
 
         if req.stream:
             async def events():
-                async for piece, reason in pieces(entry, text, http):
-                    if reason == "error":
-                        yield sse(RequestError(piece, status=500, kind="server_error").body())
-                        return
-                    yield sse(completion_body(cid, served.model_id, piece, reason, None, created))
+                try:
+                    async for piece, reason in pieces(entry, text, http):
+                        if reason == "error":  # an error event, then the end of the stream as always
+                            yield sse(failure(piece).body())
+                            yield "data: [DONE]\n\n"
+                            return
+                        yield sse(completion_body(cid, served.model_id, piece, reason, None, created))
+                except Exception as exc:  # e.g. detokenizing this stream raised: it ends alone, with an error event
+                    print(f"stream {cid} failed: {type(exc).__name__}: {exc}", flush=True)
+                    yield sse(RequestError("internal server error", status=500, kind="server_error").body())
+                    yield "data: [DONE]\n\n"
+                    return
                 if include_usage:
                     body = completion_body(cid, served.model_id, "", None, done_usage(), created)
                     body["choices"] = []
@@ -116,14 +163,34 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         parts, finish = [], None
-        async for piece, reason in pieces(entry, text, http, poll_disconnect=True):
-            if reason == "error":
-                raise RequestError(piece, status=500, kind="server_error")
-            parts.append(piece)
-            finish = reason or finish
+        watcher = asyncio.create_task(cancel_on_disconnect(http, entry))
+        try:
+            async for piece, reason in pieces(entry, text, http):
+                if reason == "error":
+                    raise failure(piece)
+                parts.append(piece)
+                finish = reason or finish
+        finally:
+            watcher.cancel()
         return completion_body(cid, served.model_id, "".join(parts), finish, done_usage(), created)
 
+    def failure(message: str) -> RequestError:
+        closing = message.startswith("the server is shutting down")
+        return RequestError(message, status=503 if closing else 500, kind="server_error")
+
+    async def cancel_on_disconnect(http: HTTPRequest, entry: Request) -> None:
+        """A non-streaming client that leaves frees its slot at the next step: once the body is read,
+        the next ASGI message is the disconnect."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        sched.cancel(entry.params.id)
+
     async def prompt_ids(req) -> list[int]:
+        if served.max_prompt_bytes is not None and isinstance(req.prompt, str):
+            size = len(req.prompt.encode()) + len((req.suffix or "").encode())
+            if size > served.max_prompt_bytes:
+                raise RequestError(f"`prompt` is {size} bytes: more than {sched.capacity - 1} tokens of this "
+                                   f"model's context can hold (at most {served.max_prompt_bytes} bytes)", "prompt")
         if isinstance(req.prompt, list):  # token ids
             if req.suffix is not None:
                 raise RequestError("`suffix` needs a text prompt, not token ids", "suffix")
@@ -140,21 +207,13 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
             raise RequestError("`prompt` encodes to no tokens", "prompt")
         return ids
 
-    async def pieces(entry: Request, text: StreamText, http: HTTPRequest, poll_disconnect: bool = False):
+    async def pieces(entry: Request, text: StreamText, http: HTTPRequest):
         """(text, None) as text becomes final, then (text, finish_reason); ("message", "error") on failure.
         Leaving early (client gone, stop string) drops the request from the batch."""
         finished = False
         try:
             while True:
-                if poll_disconnect:
-                    try:
-                        kind, value = await asyncio.wait_for(entry.queue.get(), 0.5)
-                    except asyncio.TimeoutError:
-                        if await http.is_disconnected():
-                            return
-                        continue
-                else:
-                    kind, value = await entry.queue.get()
+                kind, value = await entry.queue.get()
                 if kind == "tokens":
                     piece = text.add(value)
                     if text.stopped:

@@ -8,15 +8,26 @@ Run as `mqa-serve`, `python -m plugins.serve` or `scripts/serve.py`.
 
 The KV pool (slots x context, per rank) is allocated once from --kv-budget (at most --max-batch
 slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503). The served model id is the directory's name.
+
+What a client can hold is bounded: a request must arrive whole (headers and body) within
+--read-timeout seconds of its first byte, its body within --max-body-bytes (413), at most
+--max-connections connections are open (503 beyond), idle kept-alive ones close after
+--keep-alive-timeout. SIGTERM: no new requests; running ones get --graceful-timeout seconds, then
+end with an error body (an error event for streams). If the engine fails (a tensor-parallel rank
+died), /health turns 503 at once, every request gets one short error, and the server exits with 1.
 """
 
 import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from plugins.core.config import byte_size
+
+ENGINE_FAILED_LINGER_S = 2.0
+
 
 def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
     """(slots that fit `budget` bytes per rank, bytes per slot)."""
@@ -48,7 +59,15 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--graceful-timeout", type=float, default=30.0,
-                    help="seconds in-flight requests get to finish after SIGTERM")
+                    help="seconds in-flight requests get to finish after SIGTERM (then they end with an error)")
+    ap.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds a request's headers and body may take to arrive (slow clients are cut)")
+    ap.add_argument("--max-body-bytes", type=byte_size, default=byte_size("4MiB"),
+                    help="largest request body (default 4MiB; larger: 413)")
+    ap.add_argument("--max-connections", type=int, default=1024, help="open HTTP connections (more: 503)")
+    ap.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                    help="seconds an idle kept-alive connection stays open (default 75: longer than clients "
+                         "keep theirs)")
     return ap, ap.parse_args(argv)
 
 
@@ -80,10 +99,16 @@ def main(argv=None) -> int:
     slots = min(slots, args.max_batch)
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
+    for flag in ("graceful_timeout", "read_timeout", "keep_alive_timeout"):
+        if not getattr(args, flag) > 0:
+            ap.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.max_connections < 1 or args.max_body_bytes < 1:
+        ap.error("--max-connections and --max-body-bytes must be >= 1")
 
     import uvicorn
 
     from .app import Served, create_app
+    from .http_limits import Limits, limited_protocol
     from .scheduler import Scheduler
     from plugins.core.tokenizer import checkpoint_tokenizer
 
@@ -102,11 +127,14 @@ def main(argv=None) -> int:
         backend.close()
         raise
     model_id = args.checkpoint_dir.resolve().name
-    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size), on_shutdown=backend.close)
+    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size, args.max_body_bytes),
+                     on_shutdown=backend.close)
     announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
+    limits = Limits(args.read_timeout, args.max_connections)
+    # uvicorn waits a little longer than our own drain, so the requests it cuts get their error bodies out
     server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout,
-        timeout_keep_alive=75))  # longer than clients keep idle connections (httpx: 5 s, uvicorn's default)
+        app, host=args.host, port=args.port, log_level="warning", http=limited_protocol(limits),
+        timeout_graceful_shutdown=args.graceful_timeout + 5, timeout_keep_alive=args.keep_alive_timeout))
 
     def serve_http():
         try:
@@ -115,21 +143,29 @@ def main(argv=None) -> int:
             scheduler.close(timeout=0)  # also when it could not start (port taken): the decode loop ends
 
     def stop(signum, frame):
-        server.should_exit = True  # uvicorn stops accepting, drains open requests, then shuts down
+        if not server.should_exit:
+            server.should_exit = True  # uvicorn stops accepting, drains open requests, then shuts down
+            # running requests get --graceful-timeout seconds, then end with an error body
+            threading.Thread(target=scheduler.close, args=(args.graceful_timeout,), daemon=True).start()
 
     # HTTP on a thread, the decode loop on this one (see Scheduler.run); signals arrive here.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     http = threading.Thread(target=serve_http, name="http")
     http.start()
+    scheduler.watch()
     try:
         scheduler.run()
+        if scheduler.error:  # /health answers 503 a moment for whoever watches it, then the process ends
+            time.sleep(ENGINE_FAILED_LINGER_S)
     finally:
         server.should_exit = True
         http.join()
         backend.close()
+    if scheduler.error:
+        print(f"exiting: the engine failed ({scheduler.error})", flush=True)
+        return 1
     return 0 if server.started else 1
-    return 0
 
 
 if __name__ == "__main__":

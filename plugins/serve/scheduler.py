@@ -19,11 +19,17 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from plugins.core.batching import BatchRequest
+from plugins.core.batching import BatchRequest, check_request
 
 
 class QueueFull(RuntimeError):
     pass
+
+
+def engine_error(exc: BaseException) -> str:
+    """The first line of an engine failure, short (a worker's log stays in the server's log)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class ServerClosing(RuntimeError):
@@ -94,7 +100,13 @@ class Metrics:
 
 
 class Scheduler:
-    """FIFO admission into `slots` KV slots; at most `max_waiting` requests queue for one."""
+    """FIFO admission into `slots` KV slots; a request waits only when every slot is taken, and at
+    most `max_waiting` requests wait (the requests queued for the next step that a free slot will take
+    do not count).
+
+    A failure of one request (its sampling raised) ends that request alone. A failure of the engine
+    (its step raised, or a worker process died: `watch`) fails every request with one short message,
+    turns /health to 503 and ends the loop; the details go to the server's log only."""
 
     def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256, prefix_cache_bytes: int = 0):
         self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
@@ -109,6 +121,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._closing = False
         self.error: str | None = None  # set when the engine failed; the server then reports unhealthy
+        self.failed_at_close = 0
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -123,11 +136,13 @@ class Scheduler:
         return next(self._ids)
 
     def submit(self, request: Request) -> None:
+        check_request(request.params, self.capacity)  # ConfigError: the caller's 400, before any queueing
         with self._cond:
             if self._closing or self.error:
                 raise ServerClosing("the server is shutting down" if self._closing else f"engine failed: {self.error}")
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"server busy: {len(self._waiting)} requests already wait for a KV slot "
+            without_slot = len(self._waiting) - (self.slots - len(self._running))
+            if without_slot >= self.max_waiting:
+                raise QueueFull(f"server busy: {max(without_slot, 0)} requests already wait for a KV slot "
                                 f"(--max-waiting {self.max_waiting}); retry later")
             self._waiting.append(request)
             self.metrics.waiting.set(len(self._waiting))
@@ -149,9 +164,9 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._running or self._closing):
+                while not (self._waiting or self._running or self._closing or self.error):
                     self._cond.wait()
-                if self._closing and not self._running and not self._waiting:
+                if self.error or (self._closing and not self._running and not self._waiting):
                     return
                 release = sorted(self._drop)
                 for rid in release:
@@ -169,7 +184,9 @@ class Scheduler:
             try:
                 result = self.backend.batch_step([r.params for r in admit], release)
             except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones
-                self._fail(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                self._fail(engine_error(exc), traceback.format_exc())
+                return
+            if self.error:  # the watcher found a dead worker while this step ran
                 return
             self._deliver(result, admit)
 
@@ -195,6 +212,12 @@ class Scheduler:
                 if req is not None:
                     self.metrics.finished.labels(reason).inc()
                     outbox.setdefault(req.loop, []).append((req.queue, ("done", reason)))
+            for rid, message in result.get("failed", {}).items():
+                req = self._running.pop(rid, None)
+                if req is not None:
+                    print(f"request {rid} failed alone: {message}", flush=True)
+                    self.metrics.finished.labels("error").inc()
+                    outbox.setdefault(req.loop, []).append((req.queue, ("error", f"this request failed: {message}")))
             self.metrics.step(now, new)
             if "prefix_cache" in result:
                 self.metrics.prefix_cache(result["prefix_cache"])
@@ -208,17 +231,36 @@ class Scheduler:
 
     def _fail(self, message: str, details: str) -> None:
         with self._cond:
+            if self.error:
+                return
             self.error = message
             for req in list(self._running.values()) + list(self._waiting):
-                req.put(("error", message))
+                req.put(("error", f"engine failed: {message}"))
                 self.metrics.finished.labels("error").inc()
             self._running.clear()
             self._waiting.clear()
-        print(f"engine step failed; failing every request:\n{details}", flush=True)
+            self._cond.notify()
+        print(f"engine failed ({message}); failing every request:\n{details}", flush=True)
+
+    def watch(self, interval: float = 0.2) -> None:
+        """Fail the engine as soon as the backend reports a dead worker (`Backend.dead_worker()`, e.g.
+        a tensor-parallel rank killed), not at the next request. Runs on its own daemon thread."""
+        probe = getattr(self.backend, "dead_worker", None)
+        if probe is None:
+            return
+
+        def run():
+            while not self._stopped.wait(interval):
+                dead = None if self._closing else probe()
+                if dead and not self._closing:
+                    self._fail(dead, "")
+                    return
+
+        threading.Thread(target=run, name="engine-watch", daemon=True).start()
 
     def close(self, timeout: float = 30.0) -> int:
-        """Stop taking requests, let the running ones finish (up to `timeout` s), fail the rest;
-        returns how many were failed."""
+        """Stop taking requests, let the running ones finish (up to `timeout` s), fail the rest with
+        an error; returns how many were failed (counted once over repeated calls)."""
         with self._cond:
             self._closing = True
             failed = list(self._waiting)
@@ -231,7 +273,9 @@ class Scheduler:
                 self._cond.notify()
             self._stopped.wait(10)
         for req in failed:
-            req.put(("error", "the server is shutting down"))
+            req.put(("error", "the server is shutting down: this request was cut at the graceful timeout"))
+            self.metrics.finished.labels("error").inc()
+        self.failed_at_close += len(failed)
         return len(failed)
 
     def state(self) -> dict:
