@@ -6,7 +6,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+THREADS = max(1, min(2, os.cpu_count() or 1))
+torch.set_num_threads(THREADS)
 
 from plugins.core.checkpoint import create_checkpoint  # noqa: E402
 from plugins.core.config import load_model_config  # noqa: E402
@@ -14,8 +15,10 @@ from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids  #
 
 @pytest.fixture(autouse=True)
 def _seeded():
-    """Every test draws the same random inputs whatever ran before it (and on CI as here)."""
+    """Every test draws the same random inputs whatever ran before it (and on CI as here), on the same
+    thread count (a command's main() run in-process may set its own; the kernel timings are per count)."""
     torch.manual_seed(0)
+    torch.set_num_threads(THREADS)
 
 
 PROMPT_LENGTHS = (5, 17, 11)  # three prompts of different lengths -> real left padding

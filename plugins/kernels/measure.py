@@ -4,7 +4,7 @@ On first use per machine, every candidate of `Probe.candidates` (bf16, int8, int
 linears of one santacoder-1b layer (85 MB of bf16 weights: past the caches, as a real step is) at
 one row count per bucket (TIMED_ROWS; the last, 2048 rows, on its two MLP linears only), interleaved
 with the other candidates of that bucket, best of a few passes (fewer where a pass is long). A
-candidate whose first pass takes several times the best is not run again, and from 64 rows on (where
+candidate whose first pass takes several times the best is not run again, and from 256 rows on (where
 per-row cost dominates fixed costs such as a conversion) not timed at larger row counts either (null
 in the table: it cannot be chosen there).
 The fastest per bucket is chosen; the decode bucket (one row) chooses among row-invariant
@@ -34,7 +34,7 @@ LAYER = [(2304, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
 PASSES = 3          # more timed passes per candidate and bucket after the first,
 RACE_BUDGET_S = 3.0  # while a bucket's race has taken less than this
 GIVE_UP = 4.0       # a candidate this many times slower than the best is not timed again (nor at more rows)
-DROP_FROM_ROWS = 64  # from this many rows a candidate GIVE_UP times slower is not timed at more rows
+DROP_FROM_ROWS = 256  # from this many rows a candidate GIVE_UP times slower is not timed at more rows
 FORMAT = 2          # bump when the file's meaning changes
 # int8 implementations whose rows are computed as each row alone (exact integer sums)
 INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
