@@ -23,7 +23,7 @@ $(STAMP): requirements.txt pyproject.toml
 # kernel tests again with each lower rung forced and the ladder's fixed choices (plugins/kernels), so
 # one machine covers the paths of every CPU in the pool.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 	@for rung in $$($(PY) -m plugins.kernels --lower-rungs); do \
 		echo "== kernel tests with PLUGINS_KERNELS=$$rung"; \
 		PLUGINS_KERNELS=$$rung PLUGINS_KERNELS_TABLE=static $(PY) -m pytest -q -m kernels tests || exit 1; \
