@@ -202,6 +202,23 @@ def test_lost_rank_is_named_right():
     remote.close()
 
 
+def test_the_rank_that_died_first_is_named_when_torchrun_has_ended_the_other():
+    """Rank 1 is SIGKILLed while idle; torchrun then stops rank 0 (SIGTERM). Both are dead when asked,
+    and the answer names the cause, not the rank stopped because of it."""
+    remote = RemoteBackend(PROBE, ".", tp_size=2, timeout_s=120)
+    try:
+        pids = remote.pids()
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
+                  for pid in pids):
+            assert time.monotonic() < deadline, "torchrun did not stop rank 0"
+            time.sleep(0.05)
+        assert remote.dead_worker() == f"tensor-parallel rank 1 (pid {pids[1]}) died"
+    finally:
+        remote.close()
+
+
 class Solo:
     """A backend-shaped object for launcher 'process': one worker, no process group."""
 

@@ -19,6 +19,7 @@ whole process group, stopped processes included.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import importlib
 import os
 import pickle
@@ -119,6 +120,7 @@ class RemoteBackend:
                                           start_new_session=True, preexec_fn=partial(die_with_parent, signal.SIGTERM))
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
         self._conn: Connection | None = None
+        self._failure: str | None = None  # why the workers were given up (a call failed), for dead_worker()
         try:
             self._conn = Connection(self._accept(server).detach())
             info = self.call("__build__", name, method, str(path), dtype, tp_size, options)
@@ -135,14 +137,22 @@ class RemoteBackend:
 
     def dead_worker(self) -> str | None:
         """None while every rank lives; else which one died (a watcher can ask this between calls)."""
+        if self._failure is not None:  # a call found it first and is stopping the workers (that takes seconds)
+            return self._failure
         if self._conn is None:
             return None  # closed (or already failed: that call raised)
-        for rank, pid in enumerate(self._pids):
-            if not process_alive(pid):
-                return f"{self._rank_name(rank)} (pid {pid}) died"
+        dead = self._dead_ranks()
+        if dead:
+            return f"{self._rank_name(dead[0])} (pid {self._pids[dead[0]]}) died"
         if self._proc.poll() is not None:
             return f"the worker processes exited (code {self._proc.returncode})"
         return None
+
+    def _dead_ranks(self) -> list[int]:
+        """Ranks no longer running, the cause first: one that died abruptly (SIGKILL, a crash) left no
+        exit note, while the ranks it took down (a collective failed, torchrun stopped them) did."""
+        dead = [r for r, pid in enumerate(self._pids) if not process_alive(pid)]
+        return sorted(dead, key=lambda r: _exit_note(self._dir, r) != "")
 
     def _rank_name(self, rank: int) -> str:
         return f"tensor-parallel rank {rank}" if self.tp_size > 1 else f"the {self._what} worker"
@@ -150,7 +160,7 @@ class RemoteBackend:
     def _deadline_check(self, deadline: float, what: str) -> None:
         if self._proc.poll() is not None:
             self._fail(self._exit_reason(what))
-        dead = [r for r, pid in enumerate(self._pids) if not process_alive(pid)]
+        dead = self._dead_ranks()
         if dead:  # before torchrun notices and ends the others
             self._fail(f"lost {self._rank_name(dead[0])} while {what}")
         if time.monotonic() > deadline:
@@ -168,6 +178,7 @@ class RemoteBackend:
         return f"workers exited with code {code} while {what}"
 
     def _fail(self, error: str):
+        self._failure = error
         tail = self.log_tail()
         self._kill()  # the ranks are out of step now: nothing more can be asked of them
         raise WorkerError(f"{error}\n{tail}")
@@ -293,6 +304,17 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+def _exit_note_path(tmp_dir: Path, rank: int) -> Path:
+    return Path(tmp_dir) / f"rank{rank}.exit"
+
+
+def _exit_note(tmp_dir: Path, rank: int) -> str:
+    try:
+        return _exit_note_path(tmp_dir, rank).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def die_with_parent(sig: int) -> None:
     """Linux: have the kernel send `sig` to this process when its parent dies (no-op elsewhere)."""
     try:
@@ -349,6 +371,22 @@ def worker_main() -> None:
     if group:
         pids = [None] * world
         dist.all_gather_object(pids, os.getpid())
+    # Exit note: written when this rank leaves through Python (an exception) or on SIGTERM (faulthandler's
+    # C-level handler, then the default action), never when it is killed or crashes: the parent tells cause
+    # from consequence by it.
+    note = open(_exit_note_path(Path(os.environ[ADDRESS_ENV]).parent, rank), "w")
+    faulthandler.register(signal.SIGTERM, file=note, all_threads=False, chain=True)
+    try:
+        _serve(rank, world, group, pids)
+    except BaseException as exc:
+        note.write(f"{type(exc).__name__}: {exc}\n")
+        note.flush()
+        raise
+
+
+def _serve(rank: int, world: int, group: bool, pids: list) -> None:
+    import torch.distributed as dist
+
     conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
     backend = None
     while True:
