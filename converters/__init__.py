@@ -10,7 +10,7 @@ __all__ = list(_LAZY)
 
 def __getattr__(name):
     if name in _LAZY:
-        from . import conversion
+        from converters import conversion
 
         return getattr(conversion, name)
     raise AttributeError(f"module 'converters' has no attribute {name!r}")

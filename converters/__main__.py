@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from converters.cli import main
 
 sys.exit(main())

@@ -19,11 +19,10 @@ from pathlib import Path
 
 from transformers import GPTBigCodeConfig
 
+from converters.mapping import ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size, stored_dtype
+from converters.megatron_legacy import config_from_args, make_args, read_layout, read_stages, save_stages, split_stages
+from converters.megatron_pt import STAND_INS
 from plugins.core.config import kv_heads
-
-from .mapping import ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size, stored_dtype
-from .megatron_legacy import (STAND_INS, config_from_args, make_args, read_layout, read_stages, save_stages,
-                              split_stages)
 
 ENUM_MODULE = "megatron.model.enums"
 
@@ -56,7 +55,7 @@ def read(src: str | Path, iteration: int | None = None, progress=None) -> tuple[
 
 
 def check_writable(config: GPTBigCodeConfig, tp_size: int = 1, pp_size: int = 1) -> None:
-    from .megatron_legacy import check_writable as check_legacy
+    from converters.megatron_legacy import check_writable as check_legacy
 
     check_legacy(config, tp_size, pp_size)
     Layout(config, tp_size, None, "bigcode")

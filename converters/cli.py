@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .formats import FORMATS, WRITABLE
+from converters.formats import FORMATS, WRITABLE
 
 
 def main(argv=None) -> int:

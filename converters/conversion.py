@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
+from converters.formats import FORMATS, WRITABLE
+from converters.mapping import ConversionError, Layout, pool_kv_heads
 from plugins.core.atomic import OutputError, atomic_dir, check_destination
-from plugins.core.backend import storage_dtype
 from plugins.core.config import ConfigError, check_hf_config
 from plugins.core.config import kv_heads as kv_heads_of
-
-from .formats import FORMATS, WRITABLE
-from .mapping import ConversionError, Layout, pool_kv_heads
+from plugins.core.tensors import storage_dtype
 
 ARCH = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "tie_word_embeddings", "layer_norm_epsilon")
 

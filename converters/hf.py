@@ -7,10 +7,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 from transformers import GPTBigCodeConfig
 
+from converters.mapping import ConversionError, check_hf_state
 from plugins.core.checkpoint import WEIGHTS_NAME, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError, kv_heads
-
-from .mapping import ConversionError, check_hf_state
 
 
 def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
-from plugins.core.backend import FLOAT_DTYPES
 from plugins.core.config import TANH_GELUS, ConfigError, check_tp, head_dim, hf_shapes, kv_heads
+from plugins.core.tensors import FLOAT_DTYPES
 
 DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by (multiplied by TP)
 DIALECTS = ("mcore", "legacy", "bigcode")

@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 from transformers import GPTBigCodeConfig
 
-from plugins.core.backend import FLOAT_DTYPES, dtype_name
+from converters.mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf,
+                                padded_vocab_size, stored_dtype)
 from plugins.core.config import check_hf_config, hf_shapes
-
-from .mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf, padded_vocab_size,
-                      stored_dtype)
+from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 FORMAT = "megatron-core dist_checkpointing"
 META_NAME = "megatron.json"

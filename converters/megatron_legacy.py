@@ -28,7 +28,6 @@ copied, one stage at a time; no code from a checkpoint runs (see `load_checkpoin
 
 from __future__ import annotations
 
-import enum
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -36,11 +35,10 @@ from pathlib import Path
 import torch
 from transformers import GPTBigCodeConfig
 
-from plugins.core.checkpoint import load_error
+from converters.mapping import (ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size,
+                                pool_kv_heads, regroup_kv_heads, stored_dtype, with_groups)
+from converters.megatron_pt import flatten, load_checkpoint_file, nest
 from plugins.core.config import TANH_GELUS, check_hf_config, kv_heads
-
-from .mapping import (ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size, pool_kv_heads,
-                      regroup_kv_heads, stored_dtype, with_groups)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -48,58 +46,6 @@ ENCODER = "language_model/encoder/"
 EMBEDDING = "language_model/embedding/"
 HEAD_COPY = "word_embeddings_for_head/weight"  # the last stage's copy of the tied word embeddings
 LAYER = re.compile(r"^language_model/encoder/layers\.(\d+)\.(.+)$")
-
-
-# --------------------------------------------------------------------------- safe loading
-
-class _StandIn(enum.Enum):
-    """Base of inert stand-ins for the enums Megatron pickles into `args`."""
-
-    @classmethod
-    def _missing_(cls, value):  # any member value loads; the enum's name is what args keep
-        member = object.__new__(cls)
-        member._name_, member._value_ = f"value_{value}", value
-        return member
-
-
-# Megatron's own classes found in args pickles (BigCode's fork: megatron.model.enums, 2022:
-# megatron.enums), mapped to inert stand-ins with the same member values; nothing else is allowed.
-_ENUMS = {
-    "PositionEmbeddingType": {"rotary": 1, "absolute": 2, "alibi": 3},
-    "ModelType": {"encoder_or_decoder": 1, "encoder_and_decoder": 2, "retro_encoder": 3, "retro_decoder": 4},
-    "AttnMaskType": {"padding": 1, "causal": 2, "prefix": 3, "custom": 4},
-    "LayerType": {"encoder": 1, "decoder": 2, "retro_encoder": 3, "retro_decoder": 4,
-                  "retro_decoder_with_retriever": 5},
-    "AttnType": {"self_attn": 1, "cross_attn": 2},
-}
-STAND_INS = {name: _StandIn(name, members, module="megatron.model.enums", qualname=name)
-             for name, members in _ENUMS.items()}
-SAFE_GLOBALS = [(STAND_INS[name], f"{module}.{name}") for module in ("megatron.model.enums", "megatron.enums")
-                for name in _ENUMS]
-
-
-def load_checkpoint_file(f: Path) -> dict:
-    """One model_optim_rng.pt, mapped (not copied), through torch's weights-only unpickler: tensors,
-    containers, argparse.Namespace, torch dtypes, numpy scalars (megatron-core's safe globals) and
-    Megatron's enums as inert stand-ins. Any other global is refused, whatever torch's environment
-    (`weights_only=True` is explicit)."""
-    from megatron.core.safe_globals import register_safe_globals
-
-    register_safe_globals()
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            ckpt = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise ConversionError(f"{f} is missing") from None
-    except Exception as e:  # truncated zip, refused global, pickle errors: one message
-        raise ConversionError(load_error(f, e)) from None
-    if not isinstance(ckpt, dict) or "args" not in ckpt or not ({"model", "model0"} & set(ckpt)):
-        raise ConversionError(f"{f}: not a Megatron-LM checkpoint (needs 'args' and 'model')")
-    if "model0" in ckpt:
-        raise ConversionError(f"{f}: virtual pipeline stages (model0, model1, ...) are not supported")
-    if not isinstance(ckpt["args"], Namespace):
-        raise ConversionError(f"{f}: 'args' is not an argparse.Namespace")
-    return ckpt
 
 
 # --------------------------------------------------------------------------- layout on disk
@@ -245,29 +191,6 @@ def config_from_args(args: Namespace, groups: int, hf_config: dict | None = None
 
 
 # --------------------------------------------------------------------------- pipeline stages
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, path + "/"))
-        elif v is not None and not path.endswith("_extra_state"):
-            out[path] = v
-    return out
-
-
-def nest(flat: dict) -> dict:
-    """{'a/b/c': T} -> {'a': {'b': {'c': T}}}."""
-    out = {}
-    for path, t in flat.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = t
-    return out
-
 
 def _normalize(key: str) -> str:
     """Newer NVIDIA Megatron-LM saves `*_norm` and older ones `transformer` / `.attention.`: our names."""

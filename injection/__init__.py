@@ -8,13 +8,13 @@
 Everything DeepSpeed-specific lives here; nothing outside this package imports DeepSpeed internals.
 """
 
-from .cache import SingleHeadCache, SingleHeadLayer
+from plugins.engine.kv_cache import SingleHeadCache, SingleHeadLayer
 
 
 def register():
     """Plug the gpt_bigcode policy into DeepSpeed's kernel injection; idempotent. Returns the policy class."""
-    from . import compat
-    from .policy import GPTBigCodeContainer, GPTBigCodePolicy
+    from injection import compat
+    from injection.policy import GPTBigCodeContainer, GPTBigCodePolicy
 
     compat.apply(GPTBigCodePolicy, GPTBigCodeContainer)
     return GPTBigCodePolicy

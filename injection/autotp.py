@@ -16,9 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from injection import compat
 from plugins.core.config import check_tp
-
-from . import compat
 
 
 @contextmanager

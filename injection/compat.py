@@ -14,9 +14,8 @@ import time
 import warnings
 from contextlib import contextmanager
 
-import torch
-
 import deepspeed.module_inject.replace_module as ds_replace_module
+import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.comm.torch import TorchBackend
 from deepspeed.module_inject import fusedqkv_utils

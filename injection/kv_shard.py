@@ -107,7 +107,7 @@ def shard_kv_by_batch(model) -> None:
     replace_with_kernel_inject=True, tensor_parallel={"tp_size": N})`, N >= 2) to batch-sharded KV."""
     from deepspeed.comm import pg_utils
 
-    from .layer import DeepSpeedGPTBigCodeInference
+    from injection.layer import DeepSpeedGPTBigCodeInference
 
     layers = [m for m in model.modules() if isinstance(m, DeepSpeedGPTBigCodeInference)]
     if not layers:

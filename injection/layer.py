@@ -31,19 +31,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.model_implementations.transformers.ds_transformer import DeepSpeedTransformerInference
 from deepspeed.ops.transformer.inference.op_binding import (MLPGemmOp, QKVGemmOp, ResidualAddOp, SoftmaxContextOp,
                                                             VectorMatMulOp)
+from torch import nn
 
+from injection import compat
 from plugins import kernels
+from plugins.engine.kv_cache import layer_cache
 from plugins.kernels import PackedWeights, layer_ops
 from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
-
-from . import compat
-from .cache import layer_cache
 
 
 def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):

@@ -14,10 +14,9 @@ from deepspeed.module_inject.policy import TransformerPolicy
 from deepspeed.utils.types import ActivationFuncType
 from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
 
+from injection.layer import DeepSpeedGPTBigCodeInference
+from injection.tp import qkv_rows
 from plugins.core.config import TANH_GELUS, check_tp, kv_heads, kv_heads_per_rank
-
-from .layer import DeepSpeedGPTBigCodeInference
-from .tp import qkv_rows
 
 
 class GPTBigCodePolicy(TransformerPolicy):

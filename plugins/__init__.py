@@ -1,13 +1,19 @@
 """Engines, kernels and tools for multi-query-attention code models (HF gpt_bigcode: SantaCoder,
 StarCoder) on DeepSpeed-Inference and megatron-core.
 
-  plugins.core       the Backend protocol and its checks, dtypes, model configs, HF checkpoint I/O,
-                     tokenizer and prompts, generation loop and sampler, speculative loop, launcher
-  plugins.kernels    the CPU linear ladder (ISA probe, compiled kernels) and int8 quantization
+  plugins.core       foundations: paths, model configs, HF checkpoint I/O, atomic writes, tokenizer
+                     and prompts, tensors (dtypes, input checks, KV byte math)
+  plugins.kernels    the CPU linear ladder (measured choice, compiled kernels) and quantization
+  plugins.engine     the engine contract, the registry, sampling, generate loop, speculative decoding
+  plugins.serving    KV pool, prefix cache, the continuous batch, the request scheduler
+  plugins.dist       the launcher: an engine's ranks in worker processes (torchrun / deepspeed)
   plugins.hf         the Hugging Face baseline engine
   plugins.deepspeed  DeepSpeed kernel injection (our policy: injection/) and AutoTP
   plugins.megatron   megatron-core GPTModel
+  plugins.peers      CTranslate2 and llama.cpp, each in a worker process of its own
+  plugins.train      training, the checkpoint maker
   plugins.bench      bench configs, machine probes, the comparison grid, reports, roofline
+  plugins.serve      the OpenAI-compatible HTTP server
 
 The everyday entry points are importable from here, e.g. `from plugins import load_backend`.
 """
@@ -15,9 +21,9 @@ The everyday entry points are importable from here, e.g. `from plugins import lo
 import importlib
 
 _API = {
-    "load_backend": "plugins.core.backend",
-    "Backend": "plugins.core.backend",
-    "GenerationResult": "plugins.core.backend",
+    "load_backend": "plugins.engine.registry",
+    "Backend": "plugins.engine.contract",
+    "GenerationResult": "plugins.engine.contract",
     "ConfigError": "plugins.core.config",
     "load_model_config": "plugins.core.config",
     "create_checkpoint": "plugins.core.checkpoint",

@@ -36,7 +36,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from plugins.core.backend import DTYPES
+    from plugins.core.tensors import DTYPES
     from plugins.core.checkpoint import load_hf_model
     from plugins.core.console import quiet_upstream
     from plugins.core.tokenizer import checkpoint_tokenizer, make_batch

@@ -13,6 +13,7 @@ from plugins.core.checkpoint import create_checkpoint  # noqa: E402
 from plugins.core.config import load_model_config  # noqa: E402
 from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test draws the same random inputs whatever ran before it (and on CI as here), on the same
@@ -43,6 +44,12 @@ def ckpt_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_factory):
+    """The tiny MQA checkpoint, for tests that need one and no other."""
+    return ckpt_factory("tiny")
 
 
 @pytest.fixture(params=["tiny", "tiny-mha"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx2
 import openai
 
-from plugins.core.launcher import free_port
+from plugins.dist.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SLOTS = 4

@@ -13,7 +13,7 @@ import pytest
 
 from converters import convert
 from converters.mapping import ConversionError
-from plugins.core.atomic import OutputError, atomic_dir, rename2, RENAME_EXCHANGE, sweep_stale_temps
+from plugins.core.atomic import RENAME_EXCHANGE, OutputError, atomic_dir, rename2, sweep_stale_temps
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,10 +1,12 @@
-"""The checks every backend shares (plugins.core.backend), before any compute."""
+"""The checks every backend shares (plugins.core.tensors, plugins.engine), before any compute."""
 
 
 import pytest
 import torch
 
-from plugins.core.backend import ConfigError, load_backend, resolve_dtype
+from plugins.core.config import ConfigError
+from plugins.core.tensors import resolve_dtype
+from plugins.engine.registry import load_backend
 from plugins.hf import HFBackend
 
 

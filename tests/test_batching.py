@@ -1,12 +1,13 @@
-"""Continuous batching (plugins.core.batching) on every engine: requests that join and leave a running
+"""Continuous batching (plugins.serving.batching) on every engine: requests that join and leave a running
 batch at different steps produce, token for token, what `generate` produces for each alone (fp32)."""
 
 import pytest
 import torch
 
-from plugins.core.backend import ConfigError, load_backend
-from plugins.core.batching import BatchRequest
+from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
+from plugins.serving.batching import BatchRequest, open_batch
 
 # (arrival step, prompt length, new tokens, sampling seed or None for greedy)
 SCHEDULE = [(0, 9, 12, None), (0, 23, 5, None), (1, 4, 30, None), (2, 31, 9, 7), (2, 6, 1, None),
@@ -25,8 +26,9 @@ def requests(tokenizer, eos=None):
 
 
 def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None):
-    """Drive open_batch / batch_step as the server does: FIFO admission while slots are free."""
-    state = backend.open_batch(slots, capacity)
+    """Drive open_batch / step as the server does: FIFO admission while slots are free."""
+    batch = open_batch(backend, slots, capacity)
+    state = batch.state()
     waiting, running, out, finished = list(schedule), set(), {}, {}
     step = 0
     while waiting or running:
@@ -35,7 +37,7 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None):
             admit.append(waiting.pop(0)[1])
         release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
         running.difference_update(release)
-        result = backend.batch_step(admit, release)
+        result = batch.step(admit, release)
         running.update(r.id for r in admit)
         for rid, tokens in result["tokens"].items():
             out.setdefault(rid, []).extend(tokens)
@@ -88,20 +90,20 @@ def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenize
 
 def test_requests_the_pool_cannot_hold_are_refused_before_any_work(ckpt_factory, tokenizer):
     backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
-    backend.open_batch(2, 32)
+    batch = open_batch(backend, 2, 32)
     too_long = BatchRequest(id=1, prompt=prompt_token_ids(tokenizer, 30, 0), max_new_tokens=3)
     with pytest.raises(ConfigError, match="exceeds the context of 32"):
-        backend.batch_step([too_long])
+        batch.step([too_long])
     many = [BatchRequest(id=i, prompt=[1, 2], max_new_tokens=2) for i in range(3)]
     with pytest.raises(ConfigError, match="3 requests for 2 slots"):
-        backend.batch_step(many)
+        batch.step(many)
     with pytest.raises(ConfigError, match="n_positions"):
-        backend.open_batch(2, backend.config.n_positions + 1)
+        open_batch(backend, 2, backend.config.n_positions + 1)
 
 
 def test_speculative_or_batch_sharded_backends_refuse_to_serve(ckpt_factory):
     with pytest.raises(ConfigError, match="speculative"):
-        load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": "int8"}).open_batch(2, 32)
+        open_batch(load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": "int8"}), 2, 32)
 
 
 @pytest.mark.parametrize("name", ["deepspeed", "megatron"])

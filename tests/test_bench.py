@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from plugins import kernels
-from plugins.core.backend import BACKENDS
 from plugins.bench.config import load_bench_config, parse_bench_config
 from plugins.core.config import REPO_ROOT, ConfigError
+from plugins.engine.registry import BACKENDS
 
 # --- bench configs ------------------------------------------------------------------------------
 

@@ -7,9 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPTBigCodeForCausalLM
 
-from plugins.core.backend import ConfigError
 from plugins.core.checkpoint import create_checkpoint, init_model, load_hf_model
-from plugins.core.config import load_model_config
+from plugins.core.config import ConfigError, load_model_config
 from plugins.hf import HFBackend
 
 
@@ -104,8 +103,9 @@ def test_pytorch_bin_that_runs_code_is_refused(ckpt_factory, tmp_path):
 
 
 def test_duplicate_non_float_and_misshapen_weights_are_refused_before_allocating(ckpt_factory, tmp_path):
-    from safetensors.torch import save_file
     import shutil
+
+    from safetensors.torch import save_file
 
     src = ckpt_factory("tiny")
     w = _weights(src)

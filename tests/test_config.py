@@ -4,8 +4,7 @@
 import pytest
 from transformers import GPTBigCodeConfig
 
-from plugins.core.backend import ConfigError
-from plugins.core.config import load_model_config, load_spec, model_names
+from plugins.core.config import ConfigError, load_model_config, load_spec, model_names
 
 
 def test_model_configs_match_the_named_architectures():

@@ -4,7 +4,8 @@ fp32 (logits, greedy tokens on a left-padded batch); int8 runs; MHA is refused b
 import pytest
 import torch
 
-from plugins.core.backend import ConfigError, load_backend
+from plugins.core.config import ConfigError
+from plugins.engine.registry import load_backend
 from plugins.peers.ctranslate2 import converted_dir
 
 pytest.importorskip("ctranslate2")
@@ -91,7 +92,7 @@ def test_a_peer_killed_by_a_signal_is_one_error_row_and_the_bench_goes_on(tmp_pa
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
         for child in psutil.Process(proc.pid).children(recursive=True):
             try:
-                if "plugins.core.launcher" in child.cmdline():
+                if "plugins.dist.worker" in child.cmdline():
                     child.send_signal(signal.SIGSEGV)
                     killed = child.pid
                     break

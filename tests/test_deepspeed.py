@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from plugins import kernels
-from plugins.core.backend import ConfigError, load_backend, position_ids
+from plugins.core.config import ConfigError
+from plugins.core.tensors import position_ids
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.deepspeed.decoder import InjectedDecoder, compiled
+from plugins.engine.registry import load_backend
 
 LINEAR_WEIGHTS = (("attention", "attn_qkvw"), ("attention", "attn_ow"), ("mlp", "inter_w"), ("mlp", "output_w"))
 

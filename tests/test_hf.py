@@ -3,8 +3,9 @@
 
 import torch
 
-from plugins.core.backend import Backend, load_backend
 from plugins.core.config import load_model_config
+from plugins.engine.contract import Backend
+from plugins.engine.registry import load_backend
 from plugins.hf import HFBackend
 
 

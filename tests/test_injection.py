@@ -30,9 +30,11 @@ import injection
 from injection import SingleHeadCache, SingleHeadLayer, compat
 from injection.layer import DeepSpeedGPTBigCodeInference, GPTBigCodeMLPGemmOp
 from injection.policy import GPTBigCodeContainer, GPTBigCodePolicy
-from plugins.core.backend import load_backend, position_ids
 from plugins.core.checkpoint import load_hf_model
-from plugins.core.generation import Sampler, generate
+from plugins.core.tensors import position_ids
+from plugins.engine.generation import generate
+from plugins.engine.registry import load_backend
+from plugins.engine.sampling import Sampler
 from plugins.hf import HFBackend
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.core.backend import load_backend, position_ids
-from plugins.core.checkpoint import load_hf_model, read_hf_config, save_hf_dir
-from plugins.hf import HFBackend, HFDecoder
-from plugins.core.tokenizer import left_pad, prompt_token_ids
-
 from injection.kv_shard import KVLayoutError, rank_batch
+from plugins.core.checkpoint import load_hf_model, read_hf_config, save_hf_dir
+from plugins.core.tensors import position_ids
+from plugins.core.tokenizer import left_pad, prompt_token_ids
+from plugins.engine.hf_model import HFDecoder
+from plugins.engine.registry import load_backend
+from plugins.hf import HFBackend
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 64

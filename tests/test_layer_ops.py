@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from plugins import kernels
-from plugins.core.backend import load_backend, position_ids
+from plugins.core.tensors import position_ids
+from plugins.engine.registry import load_backend
 from plugins.kernels import layer_ops
 
 pytestmark = pytest.mark.kernels

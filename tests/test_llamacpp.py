@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from plugins.core.backend import ConfigError, load_backend
+from plugins.core.config import ConfigError
+from plugins.engine.registry import load_backend
 
 REPO = Path(__file__).resolve().parent.parent
 # ggml's GELU (a table in f16 on CPU) moves fp32 logits by ~2e-4 on the tiny model

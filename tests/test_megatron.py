@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from safetensors.torch import load_file
 
 from converters import megatron_core
-from plugins.core.backend import load_backend
 from plugins.core.config import ConfigError, head_dim, kv_heads
-from plugins.core.generation import Sampler, generate
+from plugins.engine.generation import generate
+from plugins.engine.registry import load_backend
+from plugins.engine.sampling import Sampler
 from plugins.hf import HFBackend
 from plugins.megatron import MegatronGPT, compat
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from plugins.megatron.attention import SDPAttention
 from plugins.megatron.model import build_model, check_config
 
@@ -194,7 +195,7 @@ def test_tp2_matches_tp1(name, ckpt_factory, padded_batch):
     path = ckpt_factory(name)
     tp1 = MegatronGPT.from_hf(path)
     ref_logits, ref = tp1.logits(ids, mask), tp1.generate(ids, mask, 64)
-    with MegatronGPT.from_hf(path, tp_size=2) as tp2:  # plugins.core.launcher: 2 torchrun ranks over gloo
+    with MegatronGPT.from_hf(path, tp_size=2) as tp2:  # plugins.dist.launcher: 2 torchrun ranks over gloo
         assert tp2.tp_size == 2 and tp2.config.n_head == 4
         assert (real(tp2.logits(ids, mask), mask) - real(ref_logits, mask)).abs().max() <= TOL
         res = tp2.generate(ids, mask, 64)
@@ -341,6 +342,7 @@ def test_compat_linears_run_the_probes_choice():
     """Upstream's _forward_impl is F.linear (frozen weights); a bf16 call the probe sends to our kernels
     or to fp32 now returns exactly `kernels.linear`'s output, any other call exactly upstream's."""
     from megatron.core.tensor_parallel import layers
+
     from plugins import kernels
 
     compat.apply()
@@ -369,7 +371,7 @@ def test_compat_linears_run_the_probes_choice():
 @pytest.mark.kernels
 def test_bf16_batch1_decode_matches_fp32_hf(ckpt_factory, tokenizer, hf_models):
     """Batch 1 in bf16 (one-row steps: the decode kernel on CPU): logits within the bf16 tolerance."""
-    from plugins.core.backend import position_ids
+    from plugins.core.tensors import position_ids
     from plugins.core.tokenizer import prompt_token_ids
 
     path = ckpt_factory("tiny")

@@ -1,14 +1,15 @@
-"""Prefix caching (plugins.core.prefix_cache) in continuous batching: with it on, every engine answers
+"""Prefix caching (plugins.serving.prefix_cache) in continuous batching: with it on, every engine answers
 exactly as with it off, whether prompts share nothing, part or all of a prefix; eviction under a
 tiny budget keeps answers right."""
 
 import pytest
 import torch
 
-from plugins.core.backend import ConfigError, load_backend
-from plugins.core.batching import BatchRequest
-from plugins.core.prefix_cache import PrefixCache
+from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
+from plugins.serving.batching import BatchRequest, open_batch
+from plugins.serving.prefix_cache import PrefixCache
 
 BLOCK = 16
 
@@ -63,13 +64,13 @@ def shared_requests(tokenizer, fim=False):
 
 
 def run(backend, schedule, prefix_cache_bytes, slots=3, capacity=160):
-    backend.open_batch(slots, capacity, prefix_cache_bytes)
+    batch = open_batch(backend, slots, capacity, prefix_cache_bytes)
     waiting, running, out, step, stats = list(schedule), set(), {}, 0, None
     while waiting or running:
         admit = []
         while waiting and waiting[0][0] <= step and len(running) + len(admit) < slots:
             admit.append(waiting.pop(0)[1])
-        result = backend.batch_step(admit)
+        result = batch.step(admit)
         running.update(r.id for r in admit)
         for rid, tokens in result["tokens"].items():
             out.setdefault(rid, []).extend(tokens)
@@ -118,7 +119,7 @@ def test_eviction_under_a_tiny_budget_keeps_every_answer_right(ckpt_factory, tok
 def test_a_negative_budget_is_refused(ckpt_factory):
     backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
     with pytest.raises(ConfigError, match="prefix_cache_bytes"):
-        backend.open_batch(2, 32, -1)
+        open_batch(backend, 2, 32, -1)
 
 
 @pytest.mark.parametrize("name", ["deepspeed", "megatron"])

@@ -11,8 +11,9 @@ from torch import nn
 from plugins import kernels
 from plugins.core.checkpoint import init_model
 from plugins.core.config import load_model_config
-from plugins.core.generation import Sampler, generate
-from plugins.hf import HFDecoder
+from plugins.engine.generation import generate
+from plugins.engine.hf_model import HFDecoder
+from plugins.engine.sampling import Sampler
 from plugins.kernels.quant import (INT4_GROUP, Int4Linear, Int8Linear, int4_grid, int4_linear, int8_linear,
                                    quantize_int4, quantize_linears, quantize_per_channel, stored_bytes)
 

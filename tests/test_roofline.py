@@ -4,9 +4,9 @@
 import pytest
 
 from plugins.bench import roofline
+from plugins.bench.roofline import Hardware, Shape
 from plugins.core.checkpoint import init_model
 from plugins.core.config import ConfigError, load_model_config
-from plugins.bench.roofline import Hardware, Shape
 
 TINY = Shape.from_config(load_model_config("tiny"))          # 2 layers, 64 wide, 4 heads of 16, 1 KV head
 TINY_MHA = Shape.from_config(load_model_config("tiny-mha"))

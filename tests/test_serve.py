@@ -14,21 +14,11 @@ import httpx2
 import openai
 import pytest
 import torch
-
 from live_server import SLOTS, Server, descendants
-from plugins.core.backend import load_backend
-from plugins.core.tokenizer import load_tokenizer, prompt_token_ids
+
+from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
 from plugins.serve.text import StreamText, encode_prompt
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def ckpt(ckpt_factory):
-    return ckpt_factory("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +33,22 @@ def server(ckpt):
     s.stop()
 
 
-def expected_text(engine, tok, ids, max_tokens, **sampling):
+def expected_text(engine, tokenizer, ids, max_tokens, **sampling):
     """What `generate` alone gives, cut after EOS as the server stops there: (text, tokens, finish reason)."""
     t = torch.tensor([ids])
     new = engine.generate(t, torch.ones_like(t), max_tokens, **sampling).tokens[0, len(ids):].tolist()
-    eos = tok.token_to_id("<|endoftext|>")
+    eos = tokenizer.token_to_id("<|endoftext|>")
     reason = "length"
     if eos in new:
         new, reason = new[:new.index(eos) + 1], "stop"
-    return tok.decode([i for i in new if i != eos], skip_special_tokens=False), len(new), reason
+    return tokenizer.decode([i for i in new if i != eos], skip_special_tokens=False), len(new), reason
 
 
 PROMPTS = [(5 + 3 * i, 4 + 5 * i) for i in range(9)]  # (prompt tokens, max_tokens), all different
 
 
-def prompt_text(tok, i, length):
-    return tok.decode(prompt_token_ids(tok, length, i))
+def prompt_text(tokenizer, i, length):
+    return tokenizer.decode(prompt_token_ids(tokenizer, length, i))
 
 
 def test_models_and_health(server, ckpt):
@@ -68,29 +58,29 @@ def test_models_and_health(server, ckpt):
     assert health["status"] == "ok" and health["slots"] == SLOTS and health["capacity"] == 256
 
 
-def test_concurrent_greedy_completions_match_generate_alone(server, engine, tok, ckpt):
+def test_concurrent_greedy_completions_match_generate_alone(server, engine, tokenizer, ckpt):
     model = Path(ckpt).name
 
     def ask(i):
         time.sleep(0.05 * i)  # arrivals spread over the running batch's steps
         length, max_tokens = PROMPTS[i]
-        return server.client.completions.create(model=model, prompt=prompt_text(tok, i, length),
+        return server.client.completions.create(model=model, prompt=prompt_text(tokenizer, i, length),
                                                 max_tokens=max_tokens, temperature=0)
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = list(pool.map(ask, range(len(PROMPTS))))
     for i, answer in enumerate(answers):
         length, max_tokens = PROMPTS[i]
-        ids = tok.encode(prompt_text(tok, i, length)).ids
-        text, n, reason = expected_text(engine, tok, ids, max_tokens)
+        ids = tokenizer.encode(prompt_text(tokenizer, i, length)).ids
+        text, n, reason = expected_text(engine, tokenizer, ids, max_tokens)
         assert answer.choices[0].text == text, f"request {i}"
         assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == n
         assert answer.choices[0].finish_reason == reason
     assert server.metric("mqa_requests_running") == 0
 
 
-def test_stream_over_raw_http_is_sse_and_equals_the_plain_answer(server, tok, ckpt):
-    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 3, 12), "max_tokens": 40, "temperature": 0,
+def test_stream_over_raw_http_is_sse_and_equals_the_plain_answer(server, tokenizer, ckpt):
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tokenizer, 3, 12), "max_tokens": 40, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     chunks = []
     with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -108,10 +98,10 @@ def test_stream_over_raw_http_is_sse_and_equals_the_plain_answer(server, tok, ck
     assert text == plain.choices[0].text and usage == plain.usage.model_dump(exclude_none=True)
 
 
-def test_openai_client_stream_stop_strings_and_seeded_sampling(server, engine, tok, ckpt):
+def test_openai_client_stream_stop_strings_and_seeded_sampling(server, engine, tokenizer, ckpt):
     model = Path(ckpt).name
     for i in range(20):  # a completion with a 3-character stop string that first occurs after its start
-        prompt = prompt_text(tok, i, 9)
+        prompt = prompt_text(tokenizer, i, 9)
         full = server.client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
         at = next((j for j in range(2, len(full) - 3) if full.find(full[j:j + 3]) == j), None)
         if at is not None:
@@ -122,28 +112,28 @@ def test_openai_client_stream_stop_strings_and_seeded_sampling(server, engine, t
     assert "".join(p.choices[0].text for p in pieces) == full[:at]
     assert pieces[-1].choices[0].finish_reason == "stop"
 
-    ids = tok.encode(prompt).ids
+    ids = tokenizer.encode(prompt).ids
     sampled = [server.client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0.9,
                                                 top_p=0.95, seed=42).choices[0].text for _ in range(2)]
-    text = expected_text(engine, tok, ids, 20, do_sample=True, temperature=0.9, top_p=0.95, seed=42)[0]
+    text = expected_text(engine, tokenizer, ids, 20, do_sample=True, temperature=0.9, top_p=0.95, seed=42)[0]
     assert sampled == [text, text]
 
 
-def test_suffix_is_fill_in_the_middle_with_the_tokenizers_own_tokens(server, engine, tok, ckpt):
+def test_suffix_is_fill_in_the_middle_with_the_tokenizers_own_tokens(server, engine, tokenizer, ckpt):
     prefix, suffix = "def add(a, b):\n    ", "\n    return c\n"
     answer = server.client.completions.create(model=Path(ckpt).name, prompt=prefix, suffix=suffix, max_tokens=12,
                                               temperature=0)
-    ids = encode_prompt(tok, prefix, suffix)
-    assert ids[0] == tok.token_to_id("<fim-prefix>") and ids[-1] == tok.token_to_id("<fim-middle>")
-    assert tok.token_to_id("<fim-suffix>") in ids
+    ids = encode_prompt(tokenizer, prefix, suffix)
+    assert ids[0] == tokenizer.token_to_id("<fim-prefix>") and ids[-1] == tokenizer.token_to_id("<fim-middle>")
+    assert tokenizer.token_to_id("<fim-suffix>") in ids
     assert answer.usage.prompt_tokens == len(ids)
-    assert answer.choices[0].text == expected_text(engine, tok, ids, 12)[0]
+    assert answer.choices[0].text == expected_text(engine, tokenizer, ids, 12)[0]
 
 
-def test_stream_text_never_splits_a_character(tok):
+def test_stream_text_never_splits_a_character(tokenizer):
     text = "naïve 漢字 🙂 ok"
-    ids = tok.encode(text).ids
-    stream = StreamText(tok)
+    ids = tokenizer.encode(text).ids
+    stream = StreamText(tokenizer)
     pieces = [stream.add([i]) for i in ids] + [stream.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert len(ids) > len(text.encode()) // 4  # multi-byte characters really span several tokens
@@ -169,10 +159,10 @@ def test_bad_requests_get_one_openai_error(server, ckpt, body, status, param, me
     assert message in error["message"] and error["param"] == param and error["type"]
 
 
-def test_a_repeated_prompt_reuses_its_cached_prefix(server, tok, ckpt):
+def test_a_repeated_prompt_reuses_its_cached_prefix(server, tokenizer, ckpt):
     before = server.metric("mqa_prefix_cache_reused_tokens_total")
     hits = server.metric("mqa_prefix_cache_hits_total")
-    prompt = prompt_token_ids(tok, 40, 60)  # token ids: exactly these 40 tokens
+    prompt = prompt_token_ids(tokenizer, 40, 60)  # token ids: exactly these 40 tokens
     answers = [server.client.completions.create(model=Path(ckpt).name, prompt=prompt, max_tokens=5,
                                                 temperature=0).choices[0].text for _ in range(2)]
     assert answers[0] == answers[1]
@@ -186,10 +176,10 @@ def test_openai_client_sees_bad_request_errors(server, ckpt):
         server.client.completions.create(model=Path(ckpt).name, prompt="x", max_tokens=1000)
 
 
-def test_client_gone_mid_stream_frees_its_slot(server, tok, ckpt):
+def test_client_gone_mid_stream_frees_its_slot(server, tokenizer, ckpt):
     cancelled = server.metric('mqa_requests_finished_total{reason="cancelled"}') if "cancelled" in \
         httpx2.get(server.url + "/metrics").text else 0
-    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 1, 8), "max_tokens": 240, "temperature": 0,
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tokenizer, 1, 8), "max_tokens": 240, "temperature": 0,
             "stream": True}
     with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -204,8 +194,8 @@ def test_client_gone_mid_stream_frees_its_slot(server, tok, ckpt):
     assert server.metric("mqa_kv_pool_slots_used") == 0
 
 
-def test_a_full_queue_answers_503_and_the_rest_complete(server, tok, ckpt):
-    body = {"model": Path(ckpt).name, "prompt": prompt_text(tok, 2, 8), "max_tokens": 60, "temperature": 0}
+def test_a_full_queue_answers_503_and_the_rest_complete(server, tokenizer, ckpt):
+    body = {"model": Path(ckpt).name, "prompt": prompt_text(tokenizer, 2, 8), "max_tokens": 60, "temperature": 0}
     with ThreadPoolExecutor(24) as pool:
         codes = list(pool.map(lambda _: httpx2.post(server.url + "/v1/completions", json=body, timeout=120), range(24)))
     refused = [r for r in codes if r.status_code == 503]
@@ -214,12 +204,12 @@ def test_a_full_queue_answers_503_and_the_rest_complete(server, tok, ckpt):
     assert len(done) >= SLOTS and len(set(done)) == 1
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tok):
+def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tokenizer):
     server = Server(ckpt, "--backend", "hf", "--kv-budget", "1MB")
     result = {}
 
     def ask():
-        result["answer"] = server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tok, 0, 6),
+        result["answer"] = server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tokenizer, 0, 6),
                                                             max_tokens=200, temperature=0)
 
     thread = threading.Thread(target=ask)
@@ -233,7 +223,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tok):
     assert result["answer"].choices[0].finish_reason in ("length", "stop")
 
 
-def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, tok):
+def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, tokenizer):
     ckpt = ckpt_factory("tiny-mha")
     server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB")
     try:
@@ -244,17 +234,36 @@ def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, to
         def ask(i):
             time.sleep(0.05 * i)
             length, max_tokens = PROMPTS[i]
-            return server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tok, i, length),
+            return server.client.completions.create(model=Path(ckpt).name, prompt=prompt_text(tokenizer, i, length),
                                                     max_tokens=max_tokens, temperature=0).choices[0].text
 
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(ask, range(8)))
         for i, text in enumerate(texts):
             length, max_tokens = PROMPTS[i]
-            assert text == expected_text(engine, tok, tok.encode(prompt_text(tok, i, length)).ids, max_tokens)[0]
+            assert text == expected_text(engine, tokenizer, tokenizer.encode(prompt_text(tokenizer, i, length)).ids, max_tokens)[0]
     finally:
         assert server.stop() == 0, server.output()
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{p}").exists() for p in workers):
         assert time.monotonic() < deadline, "TP workers outlived the server"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "ctranslate2"], "backend 'ctranslate2' has no continuous batching"),
+    (["--backend", "vllm"], "unknown backend 'vllm'"),
+    (["--kv-budget", "1KB"], "holds no slot"),
+])
+def test_a_server_that_cannot_serve_is_refused_before_loading(argv, message, ckpt, capsys):
+    """mqa-serve's own checks: exit 2 with one line naming the problem, no engine loaded."""
+    from plugins.serve.cli import main
+
+    loaded = []
+    with pytest.MonkeyPatch.context() as mp:
+        import plugins.engine.registry as registry
+
+        mp.setattr(registry, "load_backend", lambda *a, **k: loaded.append(a))
+        with pytest.raises(SystemExit) as exit_:
+            main([str(ckpt), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err and not loaded

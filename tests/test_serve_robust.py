@@ -19,32 +19,22 @@ from pathlib import Path
 import httpx2
 import pytest
 import torch
-
 from live_server import SLOTS, Server, descendants
-from plugins.core.backend import load_backend
-from plugins.core.tokenizer import load_tokenizer, prompt_token_ids
+
+from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
 
 KV_BUDGET = str(SLOTS * 2 * 2 * 16 * 4 * 256)  # tiny, fp32: SLOTS slots of 256 tokens
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def ckpt(ckpt_factory):
-    return ckpt_factory("tiny")
-
-
-def greedy_alone(engine, tok, text: str, max_tokens: int) -> str:
-    ids = tok.encode(text).ids
+def greedy_alone(engine, tokenizer, text: str, max_tokens: int) -> str:
+    ids = tokenizer.encode(text).ids
     t = torch.tensor([ids])
     new = engine.generate(t, torch.ones_like(t), max_tokens).tokens[0, len(ids):].tolist()
-    eos = tok.token_to_id("<|endoftext|>")
+    eos = tokenizer.token_to_id("<|endoftext|>")
     if eos in new:
         new = new[:new.index(eos)]
-    return tok.decode(new, skip_special_tokens=False)
+    return tokenizer.decode(new, skip_special_tokens=False)
 
 
 def stream_text(url: str, body: dict) -> tuple[str, list[dict]]:
@@ -112,11 +102,11 @@ CASES = (
 
 
 @pytest.mark.parametrize("backend", ["hf", "deepspeed"])
-def test_no_bad_request_hurts_the_server_or_a_running_stream(ckpt, tok, backend):
+def test_no_bad_request_hurts_the_server_or_a_running_stream(ckpt, tokenizer, backend):
     server = Server(ckpt, "--backend", backend, "--kv-budget", KV_BUDGET)
     engine = load_backend(backend, ckpt, dtype="float32")
     model = Path(ckpt).name
-    prompt = tok.decode(prompt_token_ids(tok, 9, 4))
+    prompt = tokenizer.decode(prompt_token_ids(tokenizer, 9, 4))
     try:
         streamed = {}
         stream = threading.Thread(target=lambda: streamed.update(
@@ -125,7 +115,7 @@ def test_no_bad_request_hurts_the_server_or_a_running_stream(ckpt, tok, backend)
         stream.start()
         while server.metric("mqa_requests_running") == 0 and stream.is_alive():
             time.sleep(0.01)
-        greedy8 = greedy_alone(engine, tok, "def f(x):", 8)
+        greedy8 = greedy_alone(engine, tokenizer, "def f(x):", 8)
         for name, body, status, param, text in CASES:
             r = httpx2.post(server.url + "/v1/completions", content=body(model),
                             headers={"Content-Type": "application/json"}, timeout=60)
@@ -146,37 +136,37 @@ def test_no_bad_request_hurts_the_server_or_a_running_stream(ckpt, tok, backend)
         for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405), ("POST", "/v1/chat/x", 404)):
             openai_error(httpx2.request(method, server.url + path, timeout=10), status)
         stream.join(120)
-        assert streamed["text"] == greedy_alone(engine, tok, prompt, 200)
+        assert streamed["text"] == greedy_alone(engine, tokenizer, prompt, 200)
         assert streamed["chunks"][-1]["choices"][0]["finish_reason"] in ("length", "stop")
         after = server.client.completions.create(model=model, prompt="def g(y):", max_tokens=12, temperature=0)
-        assert after.choices[0].text == greedy_alone(engine, tok, "def g(y):", 12)
+        assert after.choices[0].text == greedy_alone(engine, tokenizer, "def g(y):", 12)
         assert httpx2.get(server.url + "/health").status_code == 200
         assert "Traceback" not in server.output()
     finally:
         assert server.stop() == 0, server.output()
 
 
-def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tok, monkeypatch):
+def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenizer, monkeypatch):
     """In-process server (uvicorn on a thread, the real app and scheduler) so the sampler can fail on purpose."""
     import uvicorn
 
-    from plugins.core import generation
-    from plugins.core.launcher import free_port
+    from plugins.dist.launcher import free_port
+    from plugins.engine import sampling
     from plugins.serve.app import Served, create_app
     from plugins.serve.http_limits import Limits, limited_protocol
-    from plugins.serve.scheduler import Scheduler
+    from plugins.serving.scheduler import Scheduler
 
-    call = generation.Sampler.__call__
+    call = sampling.Sampler.__call__
 
     def failing(self, logits):
         if self.temperature == 1.25:  # this request's sampling raises, as a sampler bug would
             raise FloatingPointError("injected: probabilities are NaN")
         return call(self, logits)
 
-    monkeypatch.setattr(generation.Sampler, "__call__", failing)
+    monkeypatch.setattr(sampling.Sampler, "__call__", failing)
     backend = load_backend("hf", ckpt, dtype="float32")
     scheduler = Scheduler(backend, SLOTS, 256)
-    served = Served(scheduler, tok, "tiny", backend.config.vocab_size)
+    served = Served(scheduler, tokenizer, "tiny", backend.config.vocab_size)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning",
                                            http=limited_protocol(Limits())))
@@ -186,7 +176,7 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tok, mon
     try:
         while not server.started:
             time.sleep(0.05)
-        prompt = tok.decode(prompt_token_ids(tok, 7, 2))
+        prompt = tokenizer.decode(prompt_token_ids(tokenizer, 7, 2))
         with ThreadPoolExecutor(3) as pool:
             good = pool.submit(stream_text, url, {"model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0})
             time.sleep(0.1)
@@ -198,7 +188,7 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tok, mon
             assert "this request failed: FloatingPointError: injected" in error["message"]
             _, chunks = bad_stream.result()
             assert "this request failed" in chunks[-1]["error"]["message"]
-            assert good.result()[0] == greedy_alone(backend, tok, prompt, 60)
+            assert good.result()[0] == greedy_alone(backend, tokenizer, prompt, 60)
         assert httpx2.get(url + "/health").json()["status"] == "ok"
         assert scheduler.state()["running"] == 0
         again = httpx2.post(url + "/v1/completions", json={"model": "tiny", "prompt": "z", "max_tokens": 5,
@@ -211,7 +201,7 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tok, mon
         threads[0].join(30)
 
 
-def test_slow_clients_are_cut_and_normal_requests_are_served_meanwhile(ckpt, tok):
+def test_slow_clients_are_cut_and_normal_requests_are_served_meanwhile(ckpt, tokenizer):
     server = Server(ckpt, "--backend", "hf", "--kv-budget", KV_BUDGET, "--read-timeout", "2")
     model = Path(ckpt).name
     try:
@@ -250,11 +240,11 @@ def test_slow_clients_are_cut_and_normal_requests_are_served_meanwhile(ckpt, tok
         assert server.stop() == 0, server.output()
 
 
-def test_a_non_streaming_client_that_leaves_frees_its_slot_and_bursts_fill_free_slots(ckpt, tok):
+def test_a_non_streaming_client_that_leaves_frees_its_slot_and_bursts_fill_free_slots(ckpt, tokenizer):
     server = Server(ckpt, "--backend", "hf", "--kv-budget", KV_BUDGET, max_waiting=0)
     model = Path(ckpt).name
     try:
-        body = json.dumps({"model": model, "prompt": tok.decode(prompt_token_ids(tok, 8, 1)), "max_tokens": 240,
+        body = json.dumps({"model": model, "prompt": tokenizer.decode(prompt_token_ids(tokenizer, 8, 1)), "max_tokens": 240,
                            "temperature": 0}).encode()
         s = socket.create_connection(("127.0.0.1", server.port))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -286,7 +276,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_and_bursts_fill_free_
         assert server.stop() == 0, server.output()
 
 
-def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the_exit_is_nonzero(ckpt_factory, tok):
+def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the_exit_is_nonzero(ckpt_factory, tokenizer):
     ckpt = ckpt_factory("tiny-mha")
     server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB")
     model = Path(ckpt).name
@@ -304,7 +294,7 @@ def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the
                 cmd = Path(f"/proc/{pid}/cmdline").read_text()
             except OSError:
                 continue
-            if "plugins.core.launcher" in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
+            if "plugins.dist.worker" in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
                 ranks[int(env["RANK"])] = pid
         assert set(ranks) == {0, 1}, ranks
         thread = threading.Thread(target=stream)
@@ -330,7 +320,7 @@ def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the
         server.stop()
 
 
-def test_requests_cut_at_the_graceful_timeout_end_with_an_error_body(ckpt_factory, tok):
+def test_requests_cut_at_the_graceful_timeout_end_with_an_error_body(ckpt_factory, tokenizer):
     ckpt = ckpt_factory("small")  # steps slow enough that 900 tokens outlast a 1 s graceful timeout
     server = Server(ckpt, "--backend", "hf", "--kv-budget", "64MB", graceful_timeout=1)
     model = Path(ckpt).name
@@ -364,9 +354,9 @@ def test_json_depth_scan_skips_strings():
     assert json_depth(b'["' + b"[" * 100 + b'"]') == 1
 
 
-def test_max_token_bytes_bounds_every_token(tok):
+def test_max_token_bytes_bounds_every_token(tokenizer):
     from plugins.serve.app import max_token_bytes
 
-    bound = max_token_bytes(tok)
-    longest = max(len(tok.decode([i], skip_special_tokens=False).encode()) for i in range(tok.get_vocab_size()))
+    bound = max_token_bytes(tokenizer)
+    longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(tokenizer.get_vocab_size()))
     assert longest <= bound

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding (plugins.core.speculative): exactly the target's greedy output, whatever
+"""Greedy speculative decoding (plugins.engine.speculative): exactly the target's greedy output, whatever
 the draft, at every k."""
 
 import copy
@@ -8,9 +8,10 @@ import torch
 
 from plugins.core.checkpoint import init_model
 from plugins.core.config import load_model_config
-from plugins.core.generation import Sampler, generate
-from plugins.core.speculative import ModelDraft, PromptLookupDraft, speculative_generate
-from plugins.hf import HFDecoder
+from plugins.engine.generation import generate
+from plugins.engine.hf_model import HFDecoder
+from plugins.engine.sampling import Sampler
+from plugins.engine.speculative import ModelDraft, PromptLookupDraft, speculative_generate
 from plugins.kernels.quant import quantize_linears
 
 

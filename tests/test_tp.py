@@ -1,6 +1,6 @@
 """gpt_bigcode with DeepSpeed tensor parallelism, TP=2, two real processes over gloo.
 
-The ranks are started by plugins.core.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
+The ranks are started by plugins.dist.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
 launcher); results come back from rank 0. The first run JIT-compiles DeepSpeed's shm comm op.
 """
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.core.backend import ConfigError, load_backend
 from plugins.core.checkpoint import load_hf_model, save_hf_dir
+from plugins.core.config import ConfigError
 from plugins.deepspeed import AutoTPBackend, DeepSpeedBackend
+from plugins.engine.registry import load_backend
 from plugins.hf import HFBackend
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,7 +155,7 @@ def test_orphaned_segments_are_swept_live_and_young_ones_kept():
 
 def test_launcher_options_reach_the_ranks(ckpt_factory):
     """timeout_s (and env, launcher) are options of the TP backend: a timeout too short to start is an error."""
-    from plugins.core.launcher import WorkerError
+    from plugins.dist.launcher import WorkerError
 
     with pytest.raises(WorkerError, match="did not answer within 0.5 s while starting"):
         load_backend("deepspeed", ckpt_factory("tiny"), tp_size=2, timeout_s=0.5)
@@ -163,7 +164,7 @@ def test_launcher_options_reach_the_ranks(ckpt_factory):
 NO_LOCAL_SIZE_SCRIPT = r"""
 import sys
 import torch.distributed as dist
-from plugins.core.backend import ConfigError
+from plugins.core.config import ConfigError
 from plugins.deepspeed import DeepSpeedBackend
 dist.init_process_group("gloo")
 try:

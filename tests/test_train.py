@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from plugins.core.backend import load_backend
 from plugins.core.checkpoint import WEIGHTS_NAME, load_hf_model
 from plugins.core.config import ConfigError, load_model_config, load_train_spec
-from plugins.train import data, perplexity, train
 from plugins.core.tokenizer import checkpoint_tokenizer, load_tokenizer, tokenizer_file
+from plugins.engine.registry import load_backend
+from plugins.train import data, perplexity, train
 from plugins.train.cache import ensure_trained, is_trained
 from plugins.train.loop import LOG_FILE, PLOT_FILE
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def local_hardware(dtype):
-    from . import probes, roofline
+    from plugins.bench import probes, roofline
 
     measured = probes.measure_machine(dtype)
     return roofline.load_hardware("cpu-measured", measured), measured
@@ -34,7 +34,7 @@ def describe_probes(measured: dict) -> str:
 def projection(names, models, context, batches, dtype, measured=None) -> list[dict]:
     import torch
 
-    from . import roofline
+    from plugins.bench import roofline
     from plugins.core.console import announce
 
     rows = []
@@ -67,11 +67,10 @@ def main(argv=None) -> int:
     from plugins.core.console import announce, quiet_upstream
 
     quiet_upstream()
-    from plugins.core.backend import resolve_dtype, storage_dtype
+    from plugins.bench import config as bench_config
+    from plugins.bench import grid, probes, report, roofline
     from plugins.core.config import REPO_ROOT, ConfigError, load_model_config
-
-    from . import config as bench_config
-    from . import grid, probes, report, roofline
+    from plugins.core.tensors import resolve_dtype, storage_dtype
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or REPO_ROOT / "results" / stamp

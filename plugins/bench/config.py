@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from plugins.core.backend import BACKENDS, backend_class, resolve_dtype
+from plugins.bench import roofline
 from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, model_names, read_yaml
+from plugins.core.tensors import resolve_dtype
 from plugins.core.tokenizer import WORKLOADS
-
-from . import roofline
+from plugins.engine.registry import BACKENDS, backend_class
 
 BENCH_DIR = CONFIGS_DIR / "bench"
 REFERENCE = "hf"  # the backend (at tp_size 1) every other one is checked against

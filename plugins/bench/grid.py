@@ -1,7 +1,7 @@
 """The cross-library comparison behind `scripts/compare.py`: one grid, every backend, the same weights.
 
 For each model config one seeded checkpoint is made (or reused); every backend loads it through
-`plugins.core.backend.load_backend` and is driven only through the Backend protocol. HF runs first:
+`plugins.engine.registry.load_backend` and is driven only through the Backend protocol. HF runs first:
 its logits and greedy tokens are the reference the other backends are checked against. Each grid
 point (backend x batch x prompt length) is `warmup` untimed generations, then `cycles` timed ones;
 a failure at one point is recorded in its row and the run goes on.
@@ -21,17 +21,16 @@ from pathlib import Path
 import torch
 
 from plugins import kernels
-from plugins.core.backend import backend_class, load_backend, resolve_dtype
+from plugins.bench import roofline
+from plugins.bench.config import REFERENCE, BackendEntry, BenchConfig, ModelEntry, draft_model
+from plugins.bench.probes import measure_bandwidth, peak_memory_bytes, release_memory, reset_peak_memory
+from plugins.bench.roofline import Shape
 from plugins.core.checkpoint import ensure_checkpoint
 from plugins.core.config import REPO_ROOT, ConfigError, load_train_spec
+from plugins.core.tensors import resolve_dtype
 from plugins.core.tokenizer import checkpoint_tokenizer, make_batch
+from plugins.engine.registry import backend_class, load_backend
 from plugins.train import ensure_trained, perplexity
-
-from . import roofline
-from .config import REFERENCE, BackendEntry, BenchConfig, ModelEntry, draft_model
-from .probes import measure_bandwidth, peak_memory_bytes, release_memory, reset_peak_memory
-from .roofline import Shape
-
 
 # --- one grid point -----------------------------------------------------------------------------
 
@@ -51,7 +50,7 @@ class Reference:
     tokens: dict = field(default_factory=dict)
 
 
-def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_hw: roofline.Hardware, batch: int,
+def measure_point(backend, cfg: BenchConfig, shape: Shape, local_hw: roofline.Hardware, batch: int,
                   prompt: int, input_ids, mask, texts, tok, ref: Reference, is_reference: bool,
                   dtype_name: str | None = None) -> dict:
     """Everything one row reports; raises on failure (the caller records it)."""
@@ -97,8 +96,7 @@ def measure_point(backend, options: dict, cfg: BenchConfig, shape: Shape, local_
         warning = (f"{dtype_name} through torch's own GEMM: this CPU has no fast {dtype_name} path for it "
                    "(no oneDNN bf16), expect it slow")
     tp = backend.tp_size
-    # The KV layout a backend was asked for (its `kv_layout` option); engines default to "head".
-    layout = "batch" if options.get("kv_layout") == "batch" else "head"
+    layout = getattr(backend, "kv_layout", "head")  # how the engine shards its KV cache over ranks
     hw = local_hw.split(tp) if tp > 1 else local_hw  # TP ranks here share one host
     context = prompt + cfg.new_tokens // 2          # keys seen by the median decode step
     dec = roofline.decode_estimate(shape, hw, batch, context, dtype_bytes, tp, layout)
@@ -250,7 +248,7 @@ def run_backend(entry: BackendEntry, base: dict, ckpt: Path, cfg: BenchConfig, s
             bar.set_description(f"{base['model']} {entry.label} B={b} T={p}")
             row = {**base, "batch": b, "prompt_len": p, "load_s": load_s, "error": None, **quality}
             try:
-                row.update(measure_point(backend, entry.options, cfg, shape, local_hw, b, p, ids, mask,
+                row.update(measure_point(backend, cfg, shape, local_hw, b, p, ids, mask,
                                          texts[(b, p)], tok, ref, is_reference, base["dtype"]))
             except Exception as exc:  # out-of-memory included: record it, go on with the next point
                 row["error"] = _error(exc)

@@ -28,9 +28,8 @@ from pathlib import Path
 
 import httpx2
 
+from plugins.bench.load import Req, ServerProcess, http_client, percentile, served_model, stream_one
 from plugins.core.config import byte_size
-
-from .serving import Req, ServerProcess, http_client, percentile, served_model, stream_one
 
 
 def parse_args(argv=None):

@@ -27,7 +27,7 @@ Counting rules, stated once:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from plugins.core.config import CONFIGS_DIR, KV_LAYOUTS, ConfigError, head_dim, kv_heads, load_model_config, read_yaml
 
@@ -205,9 +205,6 @@ class Estimate:
 
     def mfu(self, seconds: float, hw: Hardware) -> float:
         return self.flops / seconds / hw.peak_flops
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total_s": self.total_s, "bound": self.bound}
 
 
 def decode_estimate(s: Shape, hw: Hardware, batch: int, context: int, dtype_bytes: int, tp: int = 1,

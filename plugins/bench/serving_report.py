@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def _ms(value) -> str:
     return "—" if value is None else f"{value * 1e3:.1f}"
 

@@ -1,3 +1,3 @@
-"""What every engine and tool shares: the Backend protocol and its checks, dtypes, model configs,
-HF checkpoint I/O (seeded init, the one safetensors reader), the tokenizer and prompts, the
-generation loop and sampler, speculative decoding, and the launcher for tensor-parallel ranks."""
+"""Foundations every layer stands on: paths, model configs, HF checkpoint I/O (seeded init, the one
+safetensors reader), atomic writes, the tokenizer and prompts, and tensor facts (dtypes, input
+checks, KV byte math). Nothing here knows an engine."""

@@ -20,7 +20,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import ConfigError
+from plugins.core.config import ConfigError
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 AT_FDCWD = -100
@@ -78,14 +78,18 @@ def check_destination(dst: Path, force: bool, sources=()) -> None:
                               f"{' or '.join(CHECKPOINT_MARKERS)}); refusing to replace it")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] != "Z"
+    except OSError:
+        return True
 
 
 def sweep_stale_temps(dst: Path) -> list[Path]:
@@ -93,7 +97,7 @@ def sweep_stale_temps(dst: Path) -> list[Path]:
     swept = []
     for tmp in dst.parent.glob(f".{dst.name}.tmp-*"):
         pid = tmp.name[len(f".{dst.name}.tmp-"):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and tmp.is_dir():
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)) and tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
             swept.append(tmp)
     return swept

@@ -14,7 +14,6 @@ import mmap
 import os
 import pickle
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
-from .atomic import atomic_dir
-from .backend import FLOAT_DTYPES, dtype_name
-from .config import ConfigError, check_hf_config, hf_shapes
+from plugins.core.atomic import atomic_dir
+from plugins.core.config import ConfigError, check_hf_config, hf_shapes
+from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -294,9 +293,3 @@ def load_hf_model(src: str | Path, dtype: torch.dtype = torch.float32, attn_impl
     model.to(dtype)
     model.eval()
     return model
-
-
-def timed(fn, *args, **kwargs):
-    t = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t

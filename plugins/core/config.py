@@ -10,16 +10,14 @@ project's 49152-token one; `load_tokenizer_name`).
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
 from transformers import GPTBigCodeConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIGS_DIR = REPO_ROOT / "configs"
-MODELS_DIR = CONFIGS_DIR / "models"
+from plugins.core.paths import (CONFIGS_DIR, DEFAULT_TOKENIZER, MODELS_DIR, REPO_ROOT,  # noqa: F401 (re-exported)
+                                TOKENIZERS)
 
 # HF activation names that are the tanh approximation of GELU (what gpt_bigcode uses)
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -155,8 +153,6 @@ def _train_section(path: Path, raw: dict) -> TrainSpec | None:
 
 
 def _tokenizer_key(path: Path, raw: dict) -> str:
-    from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
-
     name = raw.pop("tokenizer", DEFAULT_TOKENIZER)
     if name not in TOKENIZERS:
         raise ConfigError(f"{path.name}: unknown tokenizer {name!r}; known: {', '.join(TOKENIZERS)}")
@@ -165,8 +161,6 @@ def _tokenizer_key(path: Path, raw: dict) -> str:
 
 def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
     """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
-    from .tokenizer import TOKENIZERS
-
     path = _model_file(name_or_path)
     raw = read_yaml(path)
     train = _train_section(path, raw)

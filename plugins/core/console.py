@@ -42,16 +42,3 @@ def extension_built(name: str) -> bool:
         return any(p.endswith(".so") for p in os.listdir(_get_build_directory(name, verbose=False)))
     except OSError:
         return False
-
-
-def add_engine_args(ap, kv_budget_help: str) -> None:
-    """The options that name a served engine, shared by `mqa-serve` and the serving benchmark."""
-    from pathlib import Path
-
-    from .config import byte_size
-
-    ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
-    ap.add_argument("--backend", default="deepspeed", help="hf, deepspeed, deepspeed-autotp or megatron")
-    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (CPU); float16 on CUDA")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (worker processes)")
-    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"), help=kv_budget_help)

@@ -20,17 +20,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .config import CONFIGS_DIR
+from plugins.core.paths import CONFIGS_DIR, DEFAULT_TOKENIZER, TOKENIZER_FILE, TOKENIZERS, VOCAB_SIZE  # noqa: F401
 
-TOKENIZER_FILE = CONFIGS_DIR / "tokenizer" / "tokenizer.json"
 PROMPTS_FILE = CONFIGS_DIR / "prompts" / "code.py.txt"
-VOCAB_SIZE = 49152
-DEFAULT_TOKENIZER = "code-49k"
-# name -> (shipped file, vocabulary size); the same recipe and special tokens, only the size differs
-TOKENIZERS = {
-    DEFAULT_TOKENIZER: (TOKENIZER_FILE, VOCAB_SIZE),
-    "code-8k": (CONFIGS_DIR / "tokenizer" / "code-8k" / "tokenizer.json", 8192),
-}
 # SantaCoder's special tokens, so ids 0.. are the same kind of thing as upstream.
 SPECIAL_TOKENS = ["<|endoftext|>", "<fim-prefix>", "<fim-middle>", "<fim-suffix>", "<fim-pad>"]
 EOS_ID = 0

@@ -2,6 +2,6 @@
 (`DeepSpeedBackend`, the `injection/` package) and DeepSpeed AutoTP with balanced MQA shards
 (`AutoTPBackend`)."""
 
-from .backend import AutoTPBackend, DeepSpeedBackend
+from plugins.deepspeed.backend import AutoTPBackend, DeepSpeedBackend
 
 __all__ = ["AutoTPBackend", "DeepSpeedBackend"]

@@ -13,7 +13,7 @@ speculative decoding; "int8" / "int4" draft with the target's own layers quantiz
 the k tokens that followed the last match of the trailing `ngram` tokens (default 2) in the prompt
 and the text so far: transformers' `prompt_lookup_num_tokens`, k defaults to 10 there).
 
-tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.core.launcher,
+tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.dist.launcher,
 torchrun or `deepspeed --num_accelerators N`) and returns a RemoteBackend; inside a rank (torch
 distributed initialised with world size N), it injects with `tensor_parallel={"tp_size": N}`.
 """
@@ -28,16 +28,18 @@ import torch
 
 from injection import SingleHeadCache, kv_shard
 from plugins import kernels
-from plugins.core.backend import ConfigError, GenerationResult, LocalBackend, check_load, resolve_dtype
 from plugins.core.checkpoint import load_hf_model, read_hf_config
-from plugins.core.speculative import ModelDraft, PromptLookupDraft, speculative_generate
-from plugins.hf import HFBackend, HFDecoder, PoolDecoder
+from plugins.core.config import ConfigError
+from plugins.core.tensors import check_load, resolve_dtype
+from plugins.deepspeed.decoder import InjectedDecoder
+from plugins.engine.backend import LocalBackend
+from plugins.engine.contract import GenerationResult
+from plugins.engine.hf_model import HFDecoder, HFModelBackend, PoolDecoder
+from plugins.engine.speculative import ModelDraft, PromptLookupDraft, speculative_generate
 from plugins.kernels.quant import QUANTIZED
 
-from .decoder import InjectedDecoder
 
-
-class DeepSpeedBackend(HFBackend):
+class DeepSpeedBackend(HFModelBackend):
     name = "deepspeed"
     fast_decode = True  # TP 1 decode steps through InjectedDecoder (the injected layers, no HF model forward)
 
@@ -55,7 +57,7 @@ class DeepSpeedBackend(HFBackend):
                 max_out_tokens: int | None = None, launcher: str = "torchrun", kv_layout: str = "head",
                 quantize: str | None = None, quantize_lm_head: bool = False, compile: bool = False,
                 speculative: dict | None = None, timeout_s: float = 600.0, env: dict | None = None):
-        """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.core.launcher)."""
+        """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.dist.launcher)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
         if "int4" in (quantize, (speculative or {}).get("draft")) and device != "cpu":
@@ -66,11 +68,9 @@ class DeepSpeedBackend(HFBackend):
         kv_shard.check_kv_layout(kv_layout, config.multi_query, tp_size)
         dist = torch.distributed
         if tp_size > 1 and not (dist.is_initialized() and dist.get_world_size() == tp_size):  # not in a rank
-            from plugins.core.launcher import RemoteBackend
-
             from injection.compat import sweep_shm_segments
-
             from plugins.core.console import announce, extension_built
+            from plugins.dist.launcher import RemoteBackend
 
             sweep_shm_segments()  # what ranks killed before they could unlink their segments left in RAM
             if device == "cpu" and not extension_built("deepspeed_shm_comm"):

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import nn
 
-from plugins.hf import HFDecoder
+from plugins.engine.hf_model import HFDecoder
 from plugins.kernels import PackedWeights, linear, rows_alone
 
 
@@ -30,7 +30,7 @@ class InjectedDecoder(HFDecoder):
         head = model.lm_head
         self.packs = None  # an int8 head (quantize_lm_head) runs as its own module
         if type(head) is nn.Linear:
-            # weight packs are made once per model, not per generate() call (the 200 MB head: ~0.1 s)
+            # weight packs are made once per model, not per generate() call (packing the head is not free)
             if not hasattr(head, "decode_packs"):
                 head.decode_packs = PackedWeights()
             self.packs = head.decode_packs

@@ -1,7 +1,6 @@
 """The Hugging Face baseline engine: `GPTBigCodeForCausalLM` as transformers ships it, behind the
-Backend protocol; `HFDecoder`, which drives any HF causal LM on a transformers `Cache`; and
-`PoolDecoder`, continuous batching on a `SingleHeadCache` pool."""
+Backend contract (its decoders are shared with DeepSpeed: plugins.engine.hf_model)."""
 
-from .backend import HFBackend, HFDecoder, PoolDecoder
+from plugins.hf.backend import HFBackend
 
-__all__ = ["HFBackend", "HFDecoder", "PoolDecoder"]
+__all__ = ["HFBackend"]

@@ -50,11 +50,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from plugins.kernels.packing import TILE_COLS, TILED, PackedWeights, pack_tiles  # noqa: F401 (the package's API)
+
 CSRC = Path(__file__).parent / "csrc"
 RUNGS = ("avx512", "onednn", "avx512f", "avx2", "torch")
 ENV = "PLUGINS_KERNELS"
-# The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles
-# (measured, 8 santacoder-1b weights: 1 row 5.0 vs 8.3 ms, 16 rows 19.6 vs 22.4 ms).
+# The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles,
+# which win from there on (docs/results/2026-11-30-cpu-linears.md).
 KERNEL_ROWS = 16
 # torch.cpu.get_capabilities() names each kernel needs, and the flags it is compiled with
 KERNEL_ISA = {
@@ -63,8 +65,6 @@ KERNEL_ISA = {
     "avx512f": (("avx512_f", "avx512_bw", "avx512_vl"), ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
-# Our bf16 GEMM on weights packed by pack_tiles (the others take the weight as stored)
-TILED = ("avx512", "avx512f")
 # Implementations whose every output row is computed as that row alone would be (see rows_alone)
 ROW_INVARIANT = (*TILED, "avx2")
 
@@ -167,7 +167,7 @@ class Probe:
 
 
 # int8 with torch's kernel: the packed kernel's cost grows with the rows; dequantizing costs a fixed ~2
-# passes over the weight (8 santacoder-1b linears in bf16: 128 rows 79 vs 193 ms, 512 rows 326 vs 276)
+# passes over the weight, so from some hundreds of rows dequantizing wins (docs/results/2026-11-30-cpu-linears.md)
 DEQUANT_ROWS = 256
 
 
@@ -175,10 +175,8 @@ def capabilities() -> dict:
     return torch.cpu.get_capabilities()  # torch's cpuinfo-based feature table
 
 
-# Without one of these oneDNN emulates bf16 with fp32 FMAs. Measured on an AVX512F Xeon without them (8
-# santacoder-1b linears, 2 threads): oneDNN 65 / 115 / 367 ms at 5 / 16 / 64 rows against 40 / 96 / 223
-# on the avx2 rung's paths (equal at one row); the avx512f rung's GEMM, which such CPUs run: 17 (4
-# rows) / 31 / 105.
+# Without one of these oneDNN emulates bf16 with fp32 FMAs and loses to the avx2 and avx512f rungs'
+# paths at every row count past one (measured on an AVX512F Xeon: docs/results/2026-11-30-cpu-linears.md).
 BF16_INSTRUCTIONS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 
 
@@ -248,7 +246,7 @@ def probe() -> Probe:
         found = _decide(measuring=table_mode() == "measured")
         if table_mode() == "measured":
             _PROBE = found  # the timing runs each candidate through `linear` (impl named) at this rung
-            from .measure import measured_choices
+            from plugins.kernels.measure import measured_choices
 
             try:
                 choices, timings = measured_choices(found)
@@ -293,40 +291,6 @@ def reset() -> None:
     """Forget the decision (tests that change PLUGINS_KERNELS)."""
     global _PROBE
     _PROBE = None
-
-
-TILE_COLS = 64  # output columns per packed tile of our bf16 GEMM
-
-
-def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 or int8 [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded: per tile of 64 output columns,
-    each pair of consecutive inputs is 64 columns x 2 values (vdpbf16ps's operand layout, and vpmaddwd's
-    once int8 is widened), one stream per tile."""
-    n, k = weight.shape
-    tiles, pairs = -(-n // TILE_COLS), -(-k // 2)
-    padded = F.pad(weight, (0, 2 * pairs - k, 0, tiles * TILE_COLS - n))
-    return padded.view(tiles, TILE_COLS, pairs, 2).transpose(1, 2).contiguous()
-
-
-class PackedWeights:
-    """Packed copies of weights ([out, in]) for our GEMMs ('avx512', 'avx512f': the same pack, bf16 or
-    int8) or oneDNN's ('onednn', bf16), made on first use, kept per weight storage."""
-
-    def __init__(self):
-        self.packed = {}
-
-    def get(self, weight: torch.Tensor, impl: str = "onednn") -> torch.Tensor:
-        key = (weight.data_ptr(), tuple(weight.shape), "tiles" if impl in TILED else impl)
-        entry = self.packed.get(key)
-        if entry is None:
-            if impl in TILED:
-                pack = pack_tiles(weight)
-            else:  # batch hint 1: oneDNN's fastest for one row
-                pack = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-            # the weight is kept with its pack: its storage (the key) cannot be freed and reused
-            entry = (weight, pack)
-            self.packed[key] = entry
-        return entry[1]
 
 
 _ROWS_ALONE = False  # plain global, as _PROBE

@@ -7,7 +7,7 @@
 import argparse
 import json
 
-from . import RUNGS, probe
+from plugins.kernels import RUNGS, probe
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--lower-rungs", action="store_true", help="print the rungs below this machine's, one line")
@@ -15,7 +15,7 @@ ap.add_argument("--bench", action="store_true", help="time santacoder-1b's linea
 args = ap.parse_args()
 p = probe()
 if args.bench:
-    from .bench import bench
+    from plugins.kernels.bench import bench
 
     print(json.dumps(p.describe()["rung"]))
     for row in bench():

@@ -3,9 +3,9 @@ norm (csrc/layer_norm.h, every compiled rung) and one-token attention on an MQA 
 (csrc/attention_avx512.h, the AVX512 rungs). Where no kernel applies (other dtypes, CUDA, the torch
 rung, under torch.compile) each function says so (None / False) and the caller runs torch's ops.
 
-On santacoder-1b bf16 at bs16 (AVX512F Xeon, 2 threads) they save ~10-15 ms of a ~480 ms decode step
-(~3 %; the kernels' own timings against torch's ops, outside the profiler, whose per-op overhead made
-torch's small ops look several times slower).
+What they save is small (a few percent of a decode step: docs/results/2026-11-30-fused-layer-kernels.md);
+they are timed on their own against torch's ops, not under the profiler, whose per-op overhead makes
+torch's small ops look several times slower.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from . import BUCKETS, CSRC, KINDS, ROW_INVARIANT, TIMED_ROWS, PackedWeights, Probe, bucket_label, linear
-from .quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
+from plugins.kernels import BUCKETS, CSRC, KINDS, ROW_INVARIANT, TIMED_ROWS, PackedWeights, Probe, bucket_label, linear
+from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
 
 # [out, in] of one santacoder-1b layer: c_attn (MQA), attn c_proj, mlp c_fc, mlp c_proj
 LAYER = [(2304, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from . import TILED, PackedWeights, bf16_choice, choice_rows, linear, probe
+from plugins.kernels import TILED, PackedWeights, bf16_choice, choice_rows, linear, probe
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

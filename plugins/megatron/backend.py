@@ -3,7 +3,7 @@
 TP > 1 needs one process per rank. Inside ranks (e.g. `torchrun --nproc_per_node 2 script.py`
 calling `from_hf(..., tp_size=2)` everywhere) the model is built right here and every rank
 returns the same results. From a single process, `from_hf(..., tp_size=2)` starts the ranks
-with `plugins.core.launcher` and returns its proxy, which forwards every call to them.
+with `plugins.dist.launcher` and returns its proxy, which forwards every call to them.
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plugins.core.backend import GenerationResult, LocalBackend, position_ids, resolve_dtype
 from plugins.core.checkpoint import check_memory, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError
-from plugins.core.generation import Sampler, generate
-
-from .decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
-from .model import build_model, check_config, init_parallel, load_rank_state
+from plugins.core.tensors import position_ids, resolve_dtype
+from plugins.engine.backend import LocalBackend
+from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
+from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s")  # how ranks are started (plugins.core.launcher)
+LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s")  # how ranks are started (plugins.dist.launcher)
 
 
 def _no_options(options: dict) -> None:
@@ -37,7 +36,7 @@ def _no_options(options: dict) -> None:
 
 
 def _remote(method: str, path, dtype, tp_size: int, **options):
-    from plugins.core.launcher import RemoteBackend
+    from plugins.dist.launcher import RemoteBackend
     return RemoteBackend("megatron", path, dtype=dtype, tp_size=tp_size, method=method, **options)
 
 
@@ -135,16 +134,3 @@ class MegatronGPT(LocalBackend):
 
     def batch_decoder(self, slots: int, capacity: int) -> MegatronPoolDecoder:
         return MegatronPoolDecoder(self, slots, capacity)
-
-    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample=False, temperature=1.0, top_k=0,
-                 top_p=1.0, seed=0) -> GenerationResult:
-        input_ids, attention_mask = self._prepare(input_ids, attention_mask, max_new_tokens)
-        sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
-        # The last new token is sampled, never fed back: the cache holds T + N - 1 positions, as HF's does.
-        decoder = self.decoder(input_ids.shape[0], input_ids.shape[1] + max(max_new_tokens, 1) - 1)
-        result = generate(decoder, input_ids, attention_mask, max_new_tokens, sampler)
-        result.tokens = result.tokens.cpu()
-        return result
-
-    def close(self) -> None:
-        pass

@@ -43,7 +43,7 @@ def apply() -> None:
     mpu_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # megatron.core.tensor_parallel.layers.{Column,Row}ParallelLinear._forward_impl: every
     # linear (QKV, projections, MLP, output layer) runs F.linear, whose batch-1 bf16 GEMV streams
-    # weights at ~20 GB/s here, and whose multi-row bf16 GEMM has no fast path on CPUs without
+    # weights below our kernels' rate, and whose multi-row bf16 GEMM has no fast path on CPUs without
     # oneDNN bf16 (AVX2). bf16 without autograd goes where `plugins.kernels.probe()` says: our
     # kernels (their packs kept on the linear module, as long as it lives), or fp32 on converted
     # weights, on the weight as megatron stores it, [out / tp, in]; oneDNN and the rest stay upstream.

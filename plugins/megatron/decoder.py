@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.core.backend import position_ids, tensor_bytes
 from plugins.core.config import head_dim, kv_heads_per_rank
+from plugins.core.tensors import position_ids, tensor_bytes
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class MegatronDecoder:
 
 
 class MegatronPoolDecoder:
-    """A `plugins.core.batching.BatchDecoder` on one `StaticInferenceContext` of `slots` rows: megatron
+    """A `plugins.serving.batching.BatchDecoder` on one `StaticInferenceContext` of `slots` rows: megatron
     writes and reads rows [batch_size_offset, + batch) of its [seq, batch, groups, dim] buffers, so the
     active rows [0, n) decode as a batch of n; the pool is allocated here, before any forward."""
 

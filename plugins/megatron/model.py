@@ -18,11 +18,9 @@ from transformers import GPTBigCodeConfig
 
 from converters.mapping import check_megatron_config, padded_vocab_size
 from plugins.core.config import TANH_GELUS, ConfigError, head_dim, kv_heads
-from plugins.core.launcher import free_port
-
-from . import compat
-from .attention import SDPAttention
-
+from plugins.dist.launcher import free_port
+from plugins.megatron import compat
+from plugins.megatron.attention import SDPAttention
 
 ATTENTIONS = ("sdpa", "megatron")
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from plugins.core.atomic import atomic_dir
-from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import ConfigError
-
-from . import in_own_process, staged_checkpoint
+from plugins.core.tensors import check_load
+from plugins.engine.backend import LocalBackend
+from plugins.engine.contract import GenerationResult
+from plugins.peers import in_own_process, staged_checkpoint
 
 COMPUTE_TYPES = {"float32": "float32", "fp32": "float32", "int8": "int8_float32", "int8_float32": "int8_float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "int8_bfloat16": "int8_bfloat16"}

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from plugins.core.atomic import atomic_dir
-from plugins.core.backend import GenerationResult, LocalBackend, check_load
 from plugins.core.checkpoint import read_hf_config
 from plugins.core.config import REPO_ROOT, ConfigError
-
-from . import in_own_process, staged_checkpoint
+from plugins.core.tensors import check_load
+from plugins.engine.backend import LocalBackend
+from plugins.engine.contract import GenerationResult
+from plugins.peers import in_own_process, staged_checkpoint
 
 # weights -> (converter --outtype, libllama ftype to quantize to after it or None)
 WEIGHTS = {"f32": ("f32", None), "f16": ("f16", None), "bf16": ("bf16", None), "q8_0": ("q8_0", None),

@@ -16,10 +16,10 @@ from pathlib import Path
 
 def main(build: str) -> int:
     os.environ["PLUGINS_LLAMACPP_DIR"] = str(Path(build).resolve())
-    from plugins.core.backend import load_backend
     from plugins.core.checkpoint import create_checkpoint
     from plugins.core.config import load_model_config
     from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids
+    from plugins.engine.registry import load_backend
 
     tok = load_tokenizer()
     ids, mask = left_pad([prompt_token_ids(tok, n, i) for i, n in enumerate((5, 9))])

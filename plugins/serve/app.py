@@ -12,19 +12,19 @@ import json
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from plugins.core.batching import BatchRequest
 from plugins.core.config import ConfigError
-
-from .api import (RequestError, completion_body, completion_id, parse_completion, sampling, stop_list, usage)
-from .scheduler import QueueFull, Request, Scheduler, ServerClosing
-from .text import EOS_NAMES, StreamText, encode_prompt, special_id
+from plugins.serve.api import RequestError, completion_body, completion_id, parse_completion, sampling, stop_list, usage
+from plugins.serve.text import EOS_NAMES, StreamText, encode_prompt, special_id
+from plugins.serving.batching import BatchRequest
+from plugins.serving.scheduler import QueueFull, Request, Scheduler, ServerClosing
 
 MAX_BODY_BYTES = 4 << 20
 

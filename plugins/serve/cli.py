@@ -22,33 +22,25 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from plugins.core.config import byte_size
+from plugins.serving.args import add_engine_args
 
 ENGINE_FAILED_LINGER_S = 2.0
 
 
 def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
     """(slots that fit `budget` bytes per rank, bytes per slot)."""
-    import torch
+    from plugins.core.tensors import kv_bytes_per_token
 
-    from plugins.core.config import head_dim, kv_heads_per_rank
-
-    per_token = config.n_layer * 2 * kv_heads_per_rank(config, tp_size) * head_dim(config) * \
-        torch.empty((), dtype=dtype).element_size()
+    per_token = kv_bytes_per_token(config, dtype, tp_size)
     per_slot = per_token * capacity
     return budget // per_slot, per_slot
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
-    ap.add_argument("--backend", default="deepspeed", help="hf, deepspeed, deepspeed-autotp or megatron")
-    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (CPU); float16 on CUDA")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (worker processes)")
-    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"),
-                    help="bytes of KV pool per rank (default 1GB): slots = budget / (bytes per token x context)")
+    add_engine_args(ap, "bytes of KV pool per rank (default 1GB): slots = budget / (bytes per token x context)")
     ap.add_argument("--prefix-cache", type=byte_size, default=byte_size("512MB"),
                     help="bytes per rank of prompt-prefix KV kept for reuse (default 512MB; 0 turns it off)")
     ap.add_argument("--max-model-len", type=int, help="context per slot, prompt + max_tokens "
@@ -76,13 +68,15 @@ def main(argv=None) -> int:
     from plugins.core.console import announce, quiet_upstream
 
     quiet_upstream()
-    from plugins.core.backend import backend_class, load_backend, resolve_dtype
     from plugins.core.checkpoint import read_hf_config
     from plugins.core.config import ConfigError, check_tp
+    from plugins.core.tensors import resolve_dtype
+    from plugins.engine.registry import backend_class, load_backend
+    from plugins.serving.batching import check_batchable
 
     try:
         config = read_hf_config(args.checkpoint_dir)
-        backend_class(args.backend)
+        check_batchable(backend_class(args.backend))
         dtype = resolve_dtype(args.dtype)
         check_tp(config, args.tp)
     except (ConfigError, OSError, ValueError) as e:
@@ -107,10 +101,10 @@ def main(argv=None) -> int:
 
     import uvicorn
 
-    from .app import Served, create_app
-    from .http_limits import Limits, limited_protocol
-    from .scheduler import Scheduler
     from plugins.core.tokenizer import checkpoint_tokenizer
+    from plugins.serve.app import Served, create_app
+    from plugins.serve.http_limits import Limits, limited_protocol
+    from plugins.serving.scheduler import Scheduler
 
     try:
         tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)

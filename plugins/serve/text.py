@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-
 # Prefix-suffix-middle order, as SantaCoder and StarCoder were trained. The spellings differ
 # (SantaCoder `<fim-prefix>`, StarCoder `<fim_prefix>`): whichever the tokenizer holds is used.
 FIM_ROLES = ("prefix", "suffix", "middle")

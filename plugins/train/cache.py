@@ -10,8 +10,7 @@ from pathlib import Path
 
 from plugins.core.checkpoint import WEIGHTS_NAME
 from plugins.core.config import ConfigError, load_model_config, load_tokenizer_name, load_train_spec
-
-from .loop import LOG_FILE, TOKENIZER_NAME, tokenizer_id, train
+from plugins.train.loop import LOG_FILE, TOKENIZER_NAME, tokenizer_id, train
 
 ARCH_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions", "multi_query", "n_inner")
 # Effective training FLOP/s on 2 CPU cores (measured: ~200 G bf16 with avx512_bf16, ~40 G fp32), for the

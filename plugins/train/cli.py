@@ -34,8 +34,7 @@ def main(argv=None) -> int:
     import torch
 
     from plugins.core.config import REPO_ROOT, ConfigError, load_model_config, load_tokenizer_name, load_train_spec
-
-    from .loop import LOG_FILE, PLOT_FILE, train
+    from plugins.train.loop import LOG_FILE, PLOT_FILE, train
 
     name = Path(args.model).stem
     try:

@@ -74,7 +74,7 @@ def methods_of(relative: str, source: str) -> list[Method]:
 
 
 def heldout_methods(n: int, seed: int = 0) -> list[Method]:
-    from .data import relative_name, split_files
+    from plugins.train.data import relative_name, split_files
 
     every = []
     for f in split_files()[1]:
@@ -85,7 +85,7 @@ def heldout_methods(n: int, seed: int = 0) -> list[Method]:
 
 def find_method(spec: str) -> Method:
     """`asyncio/futures.py:cancelled` or `asyncio/futures.py:Future.cancelled` among the held-out files."""
-    from .data import relative_name, split_files
+    from plugins.train.data import relative_name, split_files
 
     file, _, name = spec.partition(":")
     for f in split_files()[1]:

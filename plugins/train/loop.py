@@ -27,10 +27,9 @@ from plugins.core.atomic import atomic_dir, check_destination
 from plugins.core.checkpoint import init_model, write_hf_files
 from plugins.core.config import TrainSpec
 from plugins.core.tokenizer import DEFAULT_TOKENIZER, check_vocab, load_tokenizer, tokenizer_file
-
-from . import data
-from .plot import plot_loss
-from .state import has_state, load_state, save_state
+from plugins.train import data
+from plugins.train.plot import plot_loss
+from plugins.train.state import has_state, load_state, save_state
 
 LOG_FILE, PLOT_FILE, TOKENIZER_NAME = "train_log.json", "loss.png", "tokenizer.json"
 

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from plugins.core.tokenizer import check_vocab, load_tokenizer
-
-from .data import heldout_windows
+from plugins.train.data import heldout_windows
 
 
 def perplexity(backend, windows: int = 8, length: int = 256, chunk: int = 4, tok=None) -> dict:

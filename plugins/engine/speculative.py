@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import GenerationResult, position_ids
+from plugins.core.tensors import position_ids
+from plugins.engine.contract import GenerationResult
 
 
 @dataclass

@@ -1,33 +1,12 @@
-"""The generation loop every backend shares: prefill, then one token per step.
-
-A backend supplies a `Decoder` (prefill / decode on its own KV cache); the loop owns sampling,
-positions, the attention mask and timing, so all engines sample identically from the same logits
-and are timed the same way. Buffers for tokens and mask are allocated once, before the loop.
-"""
+"""Greedy and seeded sampling, shared by the generate loop, speculative decoding and the batch."""
 
 from __future__ import annotations
 
 import math
-import time
-from typing import Protocol
 
 import torch
 
-from .backend import GenerationResult, position_ids
-from .config import ConfigError
-
-
-class Decoder(Protocol):
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt, fill the cache; return logits of the last position [B, V]."""
-
-    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
-               position_ids: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence [B, 1] (mask covers cache + token); return logits [B, V]."""
-
-    def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache tensors."""
+from plugins.core.config import ConfigError
 
 
 def _number(x) -> bool:
@@ -76,34 +55,3 @@ class Sampler:
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         probs = logits.softmax(-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(device)
-
-
-@torch.inference_mode()
-def generate(decoder: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-             sampler: Sampler) -> GenerationResult:
-    batch, prompt_len = input_ids.shape
-    total = prompt_len + max_new_tokens
-    device = input_ids.device
-    tokens = torch.empty((batch, total), dtype=torch.long, device=device)
-    tokens[:, :prompt_len] = input_ids
-    mask = torch.ones((batch, total), dtype=attention_mask.dtype, device=device)
-    mask[:, :prompt_len] = attention_mask
-    if max_new_tokens == 0:
-        return GenerationResult(tokens=tokens, prefill_s=0.0)
-
-    start = time.perf_counter()
-    pos = position_ids(attention_mask)
-    logits = decoder.prefill(input_ids, attention_mask, pos)
-    tokens[:, prompt_len] = sampler(logits)
-    prefill_s = time.perf_counter() - start
-
-    next_pos = pos[:, -1:] + 1
-    step_s = []
-    for i in range(prompt_len + 1, total):
-        start = time.perf_counter()
-        logits = decoder.decode(tokens[:, i - 1:i], mask[:, :i], next_pos)
-        tokens[:, i] = sampler(logits)
-        next_pos += 1
-        step_s.append(time.perf_counter() - start)
-    return GenerationResult(tokens=tokens, prefill_s=prefill_s, step_s=step_s,
-                            kv_cache_bytes=decoder.kv_cache_bytes())

@@ -25,34 +25,15 @@ With MQA a slot of 2048 tokens of SantaCoder-1B is 25 MB, so dense slots cost li
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from .backend import tensor_bytes
-from .config import ConfigError
-from .generation import Sampler
-from .prefix_cache import PrefixCache
-
-
-class BatchDecoder(Protocol):
-    """An engine's decode step on a KV pool. Pool tensors have the batch row on `batch_dim` and the
-    token column on `time_dim`."""
-
-    batch_dim: int
-    time_dim: int
-
-    def prefill_alone(self, input_ids: torch.Tensor, prefix: list[torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One unpadded prompt [1, P] -> (logits of its last position [1, V], its K and V per layer: P
-        columns, in the order and layout of `pool_tensors`). `prefix`: the K and V of its first columns,
-        already computed (a prefix-cache hit): only the rest of the prompt runs."""
-
-    def pool_tensors(self) -> list[torch.Tensor]:
-        """Every K and V buffer of the pool (allocated by the first `prefill_alone` at the latest)."""
-
-    def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Rows [0, n) of the pool: tokens [n, 1] written at column t = mask width - 1; logits [n, V]."""
+from plugins.core.config import ConfigError
+from plugins.core.tensors import tensor_bytes
+from plugins.engine.backend import LocalBackend
+from plugins.engine.contract import BatchDecoder
+from plugins.engine.sampling import Sampler
+from plugins.serving.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -96,7 +77,7 @@ class _Row:
 
 class ContinuousBatch:
     """`prefix_cache_bytes` > 0 keeps the KV of prompt prefixes for later prompts that share them
-    (plugins.core.prefix_cache); 0 turns that off."""
+    (plugins.serving.prefix_cache); 0 turns that off."""
 
     def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0):
         if slots < 1 or capacity < 2:
@@ -266,3 +247,29 @@ class ContinuousBatch:
         return {"running": self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
                 "kv_pool_bytes": self.kv_pool_bytes(),
                 "prefix_cache": self.prefix.stats() if self.prefix else None}
+
+
+def check_batchable(cls) -> None:
+    """Refuse, before loading, an engine class that has no continuous batching (no `batch_decoder`
+    of its own)."""
+    if getattr(cls, "batch_decoder", LocalBackend.batch_decoder) is LocalBackend.batch_decoder:
+        raise ConfigError(f"backend {cls.name!r} has no continuous batching")
+
+
+def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_bytes: int = 0):
+    """A continuous batch of `slots` rows on `backend`, its KV pool allocated now: an object with
+    `step(admit, release)` and `state()`. `capacity` (prompt + new tokens per request) defaults to
+    n_positions; `prefix_cache_bytes` > 0 keeps prompt prefixes' KV for reuse, up to that many bytes
+    (per rank). A backend whose ranks run elsewhere (plugins.dist) opens the batch on its ranks."""
+    capacity = backend.config.n_positions if capacity is None else capacity
+    for name, value, least in (("slots", slots, 1), ("capacity", capacity, 1),
+                               ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    if capacity > backend.config.n_positions:
+        raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {backend.config.n_positions}")
+    remote = getattr(type(backend), "open_batch", None)
+    if remote is not None:
+        return remote(backend, slots, capacity, prefix_cache_bytes)
+    return ContinuousBatch(backend.batch_decoder(slots, capacity), slots, capacity, backend.device,
+                           prefix_cache_bytes)

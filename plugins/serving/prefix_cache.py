@@ -7,7 +7,7 @@ Hashed blocks rather than a radix tree: a dict lookup per block is all a prompt 
 tokens needs, and entries stay independent (one tensor per layer, evicted whole).
 
 A hit is copied into the new request's scratch cache, not shared: the running batch keeps its rows
-dense (plugins.core.batching), and with one KV head (MQA) the copy is small (SantaCoder-1B: 12 KB per
+dense (plugins.serving.batching), and with one KV head (MQA) the copy is small (SantaCoder-1B: 12 KB per
 token in bf16). So a running request never holds an entry, and evicting one never touches a request.
 An entry that a longer one extends (an editor's file that grew) is dropped when the longer one is kept.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import tensor_bytes
+from plugins.core.tensors import tensor_bytes
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 Before every step it hands the engine the requests that wait (as many as there are free slots)
 and the ones to drop (finished by a stop string, cancelled, client gone); the engine prefills the
-new ones, places them in the running batch and decodes every row once (`Backend.batch_step`, one
+new ones, places them in the running batch and decodes every row once (`ContinuousBatch.step`, one
 call, also across TP ranks). New tokens go to each request's asyncio queue; detokenization and
 HTTP happen in the event loop, so this loop never waits on them.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from plugins.core.batching import BatchRequest, check_request
+from plugins.serving.batching import BatchRequest, check_request, open_batch
 
 
 class QueueFull(RuntimeError):
@@ -110,7 +110,8 @@ class Scheduler:
 
     def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256, prefix_cache_bytes: int = 0):
         self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
-        state = backend.open_batch(slots, capacity, prefix_cache_bytes)
+        self.batch = open_batch(backend, slots, capacity, prefix_cache_bytes)
+        state = self.batch.state()
         self.prefix_cache_bytes = prefix_cache_bytes
         self.metrics = Metrics(slots, state["kv_pool_bytes"])
         self.pool_bytes = state["kv_pool_bytes"]
@@ -182,7 +183,7 @@ class Scheduler:
                     self._running[req.params.id] = req
                 self.metrics.waiting.set(len(self._waiting))
             try:
-                result = self.backend.batch_step([r.params for r in admit], release)
+                result = self.batch.step([r.params for r in admit], release)
             except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones
                 self._fail(engine_error(exc), traceback.format_exc())
                 return

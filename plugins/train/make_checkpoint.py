@@ -1,5 +1,5 @@
 """Create a seeded HF checkpoint directory from a model config (and time it against HF's own init).
-Run as `mqa-make-checkpoint`, `python -m plugins.core.make_checkpoint` or `scripts/make_checkpoint.py`.
+Run as `mqa-make-checkpoint`, `python -m plugins.train.make_checkpoint` or `scripts/make_checkpoint.py`.
 A config with a `train:` section (code-mqa, code-mha, code-draft) is trained instead (plugins.train,
 minutes, reused when DST already holds that run); `--seeded` gives its shape with seeded weights.
 
@@ -10,12 +10,9 @@ minutes, reused when DST already holds that run); `--seeded` gives its shape wit
 """
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
-
-TRAINER = "plugins.train"  # ensure_trained(model, dst): what a config with a train section is made by
 
 
 def main(argv=None) -> int:
@@ -32,9 +29,9 @@ def main(argv=None) -> int:
     from plugins.core.console import quiet_upstream
 
     quiet_upstream()
-    from .backend import resolve_dtype
-    from .checkpoint import init_model, load_hf_model, save_hf_dir
-    from .config import ConfigError, load_model_config, load_train_spec
+    from plugins.core.checkpoint import init_model, load_hf_model, save_hf_dir
+    from plugins.core.config import ConfigError, load_model_config, load_train_spec
+    from plugins.core.tensors import resolve_dtype
 
     try:
         config = load_model_config(args.model)
@@ -45,8 +42,9 @@ def main(argv=None) -> int:
     if args.dst.exists() and not args.force:
         ap.error(f"{args.dst} already exists (use --force)")
     if trained:
-        # found by name, like the backends: the trainer sits above this layer
-        importlib.import_module(TRAINER).ensure_trained(args.model, args.dst)
+        from plugins.train import ensure_trained
+
+        ensure_trained(args.model, args.dst)
         print(f"{args.model}: trained checkpoint at {args.dst}")
         return 0
 

@@ -3,8 +3,8 @@
     m = RemoteBackend("megatron", hf_dir, dtype="float32", tp_size=2)   # starts 2 ranks
     m.logits(ids, mask); m.generate(ids, mask, 64); m.close()
 
-The parent listens on a private AF_UNIX socket and starts `torchrun` (or `deepspeed`) on this
-file. Every rank joins a gloo group; rank 0 connects back to the parent. `launcher="process"`
+The parent listens on a private AF_UNIX socket and starts `torchrun` (or `deepspeed`) on
+plugins.dist.worker. Every rank joins a gloo group; rank 0 connects back to the parent. `launcher="process"`
 starts one plain worker process instead (no torchrun, no process group): an engine whose native
 code may crash (the peers) runs there, so that a signal ends that engine, not the caller. Each call travels
 parent -> rank 0 -> all ranks (`broadcast_object_list`); every rank runs it on its shard, and
@@ -18,11 +18,7 @@ whole process group, stopped processes included.
 
 from __future__ import annotations
 
-import ctypes
-import faulthandler
-import importlib
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -32,21 +28,16 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import weakref
-from datetime import timedelta
 from functools import partial
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 
-import torch
+from plugins.core.atomic import process_alive
+from plugins.core.config import REPO_ROOT, ConfigError
+from plugins.core.tensors import check_inputs
+from plugins.dist.worker import ADDRESS_ENV, TIMEOUT_ENV, die_with_parent, exit_note, recv, send
 
-from .backend import backend_class, check_inputs
-from .config import REPO_ROOT, ConfigError
-
-PR_SET_PDEATHSIG = 1
-ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
-TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
 
 
 def launch_command(launcher: str, nproc: int) -> list[str]:
@@ -57,15 +48,15 @@ def launch_command(launcher: str, nproc: int) -> list[str]:
     """
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "plugins.core.launcher"]
+                "-m", "plugins.dist.worker"]
     if launcher == "process":
         if nproc != 1:
             raise ValueError(f"launcher 'process' runs one worker, got tp_size {nproc}")
-        return [sys.executable, "-X", "faulthandler", "-m", "plugins.core.launcher"]
+        return [sys.executable, "-X", "faulthandler", "-m", "plugins.dist.worker"]
     if launcher == "deepspeed":  # passes --local_rank=N to the script
         port = free_port()
         return [str(Path(sys.executable).with_name("deepspeed")), f"--num_accelerators={nproc}",
-                f"--master_port={port}", "--module", "plugins.core.launcher"]
+                f"--master_port={port}", "--module", "plugins.dist.worker"]
     raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun', 'deepspeed' or 'process'")
 
 
@@ -73,11 +64,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def in_worker() -> bool:
-    """Whether this process is a worker started by RemoteBackend."""
-    return ADDRESS_ENV in os.environ
 
 
 class WorkerError(RuntimeError):
@@ -152,7 +138,7 @@ class RemoteBackend:
         """Ranks no longer running, the cause first: one that died abruptly (SIGKILL, a crash) left no
         exit note, while the ranks it took down (a collective failed, torchrun stopped them) did."""
         dead = [r for r, pid in enumerate(self._pids) if not process_alive(pid)]
-        return sorted(dead, key=lambda r: _exit_note(self._dir, r) != "")
+        return sorted(dead, key=lambda r: exit_note(self._dir, r) != "")
 
     def _rank_name(self, rank: int) -> str:
         return f"tensor-parallel rank {rank}" if self.tp_size > 1 else f"the {self._what} worker"
@@ -207,12 +193,12 @@ class RemoteBackend:
     def _call(self, method: str, *args, **kwargs):
         if self._conn is None:
             raise WorkerError("workers are closed")
-        _send(self._conn, (method, args, kwargs))
+        send(self._conn, (method, args, kwargs))
         deadline = time.monotonic() + self.timeout_s
         while not self._conn.poll(0.2):
             self._deadline_check(deadline, f"running {method}")
         try:
-            status, value = _recv(self._conn)
+            status, value = recv(self._conn)
         except (EOFError, OSError):
             try:
                 self._proc.wait(timeout=10)  # let torchrun report why rank 0 went away
@@ -231,7 +217,15 @@ class RemoteBackend:
     def __getattr__(self, method: str):
         if method.startswith("_"):
             raise AttributeError(method)
-        return partial(self.call, method)  # any other backend method, e.g. save_megatron
+        return partial(self.call, method)  # an engine's own extras (e.g. save_megatron), outside the contract
+
+    def linear_paths(self, batch: int, prompt_len: int) -> dict:
+        return self.call("linear_paths", batch, prompt_len)
+
+    def open_batch(self, slots: int, capacity: int, prefix_cache_bytes: int = 0) -> "RemoteBatch":
+        """A continuous batch on every rank (each holds its share of the KV pool); rank 0 answers."""
+        self.call("__open_batch__", slots, capacity, prefix_cache_bytes)
+        return RemoteBatch(self)
 
     def logits(self, input_ids, attention_mask):
         check_inputs(self.config, input_ids, attention_mask)
@@ -263,7 +257,7 @@ class RemoteBackend:
         with self._lock:
             if self._conn is not None and self._proc.poll() is None:
                 try:
-                    _send(self._conn, ("__close__", (), {}))
+                    send(self._conn, ("__close__", (), {}))
                     self._proc.wait(timeout=30)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
@@ -276,51 +270,21 @@ class RemoteBackend:
         self.close()
 
 
-# Plain pickle: Connection.send would use torch's shared-memory tensor reductions, which hand
-# file descriptors between processes of one multiprocessing family; ours are strangers.
-def _send(conn: Connection, obj) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+class RemoteBatch:
+    """The continuous batch of a `RemoteBackend`: each step runs on every rank."""
 
+    def __init__(self, remote: RemoteBackend):
+        self._remote = remote
 
-def _recv(conn: Connection):
-    return pickle.loads(conn.recv_bytes())
+    def step(self, admit=(), release=()) -> dict:
+        return self._remote.call("__batch_step__", list(admit), list(release))
+
+    def state(self) -> dict:
+        return self._remote.call("__batch_state__")
 
 
 def _threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] != "Z"
-    except OSError:
-        return True
-
-
-def _exit_note_path(tmp_dir: Path, rank: int) -> Path:
-    return Path(tmp_dir) / f"rank{rank}.exit"
-
-
-def _exit_note(tmp_dir: Path, rank: int) -> str:
-    try:
-        return _exit_note_path(tmp_dir, rank).read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def die_with_parent(sig: int) -> None:
-    """Linux: have the kernel send `sig` to this process when its parent dies (no-op elsewhere)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:
@@ -343,86 +307,3 @@ def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:
     shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-# ---- worker side: this file run by torchrun / deepspeed in every rank ---------------------------
-
-def _build(name, method, path, dtype, tp_size, options):
-    if ":" in name:  # "module:Class", for backends outside plugins.backend.BACKENDS
-        module, cls = name.split(":")
-        cls = getattr(importlib.import_module(module), cls)
-    else:
-        cls = backend_class(name)
-    backend = getattr(cls, method)(path, dtype=dtype, tp_size=tp_size, **options)
-    plain = (str, int, float, bool, torch.dtype, type(None))
-    info = {"name": backend.name, "config": backend.config, "dtype": backend.dtype,
-            "attributes": {k: v for k, v in vars(backend).items() if not k.startswith("_") and isinstance(v, plain)}}
-    return backend, info
-
-
-def worker_main() -> None:
-    import torch.distributed as dist
-
-    die_with_parent(signal.SIGKILL)  # torchrun (or the caller, launcher 'process') gone: nobody to answer
-    timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
-    group = "RANK" in os.environ  # started by torchrun / deepspeed; else one plain worker
-    if group and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
-    pids = [os.getpid()]  # rank r's process id, for the parent's liveness checks
-    if group:
-        pids = [None] * world
-        dist.all_gather_object(pids, os.getpid())
-    # Exit note: written when this rank leaves through Python (an exception) or on SIGTERM (faulthandler's
-    # C-level handler, then the default action), never when it is killed or crashes: the parent tells cause
-    # from consequence by it.
-    note = open(_exit_note_path(Path(os.environ[ADDRESS_ENV]).parent, rank), "w")
-    faulthandler.register(signal.SIGTERM, file=note, all_threads=False, chain=True)
-    try:
-        _serve(rank, world, group, pids)
-    except BaseException as exc:
-        note.write(f"{type(exc).__name__}: {exc}\n")
-        note.flush()
-        raise
-
-
-def _serve(rank: int, world: int, group: bool, pids: list) -> None:
-    import torch.distributed as dist
-
-    conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
-    backend = None
-    while True:
-        request = [_recv(conn) if rank == 0 else None]
-        if group:
-            dist.broadcast_object_list(request, src=0)
-        method, args, kwargs = request[0]
-        if method == "__close__":
-            break
-        result, error = None, None
-        try:
-            if method == "__build__":
-                backend, result = _build(*args, **kwargs)
-                result["pids"] = pids
-            else:
-                result = getattr(backend, method)(*args, **kwargs)
-        except Exception as exc:
-            error = (traceback.format_exc(), str(exc) if isinstance(exc, ConfigError) else None)
-        errors = [error]
-        if group:
-            errors = [None] * world
-            dist.all_gather_object(errors, error)
-        if rank == 0:
-            failed = [(r, e) for r, e in enumerate(errors) if e]
-            if not failed:
-                _send(conn, ("ok", result))
-            elif all(e[1] is not None for _, e in failed):
-                _send(conn, ("config", failed[0][1][1]))
-            else:
-                _send(conn, ("error", "\n".join(f"[rank {r}]\n{e[0]}" for r, e in failed)))
-    if backend is not None:
-        backend.close()
-    if group:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    worker_main()
