@@ -155,6 +155,7 @@ def test_backend_option_through_the_deepspeed_launcher(mqa_dir, batches):
     ids, mask = batches["b3"]
     hf = HFBackend.from_hf(mqa_dir)
     with load_backend("deepspeed", mqa_dir, tp_size=2, kv_layout="batch", launcher="deepspeed") as ds:
+        assert ds.kv_layout == "batch"  # what the bench reports the row with
         result = ds.generate(ids, mask, 8)
     want = hf.generate(ids, mask, 8)
     assert torch.equal(result.tokens, want.tokens)

@@ -116,6 +116,7 @@ class RemoteBackend:
         finally:
             server.close()
         self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
+        self.kv_layout = info["kv_layout"]  # part of the contract, a class default on the engines
         self._pids = info.get("pids", [])  # rank r's process id
         for key, value in info["attributes"].items():  # the engine's plain settings (e.g. compute_type)
             if key not in vars(self) and not hasattr(type(self), key):

@@ -70,6 +70,7 @@ def _build(name, method, path, dtype, tp_size, options):
     backend = getattr(cls, method)(path, dtype=dtype, tp_size=tp_size, **options)
     plain = (str, int, float, bool, torch.dtype, type(None))
     info = {"name": backend.name, "config": backend.config, "dtype": backend.dtype,
+            "kv_layout": getattr(backend, "kv_layout", "head"),
             "attributes": {k: v for k, v in vars(backend).items() if not k.startswith("_") and isinstance(v, plain)}}
     return backend, info
 
