@@ -3,6 +3,7 @@ batch at different steps produce, token for token, what `generate` produces for 
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
@@ -113,3 +114,23 @@ def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, 
         _, out, _ = run(backend, schedule)
         for _, request in schedule:
             assert out[request.id] == alone(backend, request)
+        # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards
+        prompt = prompt_token_ids(tokenizer, 11, 30)
+        request = BatchRequest(id=1, prompt=prompt, max_new_tokens=6, repetition_penalty=1.5, logprobs=3,
+                               prompt_logprobs=1)
+        batch = open_batch(backend, 2, 64)
+        result = batch.step([request])
+        tokens, logprobs, scored = list(result["tokens"][1]), list(result["logprobs"][1]), result["prompt_logprobs"][1]
+        while batch.state()["running"]:
+            result = batch.step()
+            tokens += result["tokens"].get(1, [])
+            logprobs += result.get("logprobs", {}).get(1, [])
+        ids = list(prompt)
+        for token, (value, top) in zip(tokens, logprobs):
+            t = torch.tensor([ids])
+            logits = backend.logits(t, torch.ones_like(t))[:, -1]
+            logp = torch.log_softmax(logits[0].float(), -1)
+            assert abs(value - float(logp[token])) < 1e-5 and len(top) == 3
+            assert token == int(RepetitionPenaltyLogitsProcessor(1.5)(t, logits.clone()).argmax(-1))
+            ids.append(token)
+        assert len(tokens) == 6 and len(scored) == len(prompt) - 1

@@ -355,7 +355,7 @@ def test_json_depth_scan_skips_strings():
 
 
 def test_max_token_bytes_bounds_every_token(tokenizer):
-    from plugins.serve.app import max_token_bytes
+    from plugins.serve.served import max_token_bytes
 
     bound = max_token_bytes(tokenizer)
     longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(tokenizer.get_vocab_size()))

@@ -1,7 +1,8 @@
 """The OpenAI completions request, checked field by field, and the response bodies.
 
-Unknown fields, wrong types and values the server cannot honour are refused (HTTP 400 with an
-OpenAI-style error body) rather than silently ignored.
+Wrong types and values the server cannot honour are refused (HTTP 400 with an OpenAI-style error
+body). Fields it does not know are ignored, as vLLM does: clients add their own (Ollama's `options`,
+vLLM's `skip_special_tokens`), and refusing them makes the server unusable to those clients.
 """
 
 from __future__ import annotations
@@ -16,34 +17,71 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # usage in every chunk (vLLM's, which guidellm asks)
 
 
 Number = Union[StrictInt, StrictFloat]
+MAX_N = 64          # choices per prompt
+MAX_PROMPTS = 64    # prompts per request
+MAX_STOP = 64       # stop strings (OpenAI takes 4, vLLM has no limit; Continue sends 7)
+MAX_LOGPROBS = 20   # OpenAI's bound on `logprobs`
+MAX_BIAS = 1024     # logit_bias entries
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """OpenAI's completions fields plus vLLM's sampling extensions. Fields not declared here are kept
+    in `model_extra` and ignored (the app names each once in its log)."""
 
-    model: StrictStr
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None  # vLLM's default: the one model served
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
     suffix: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     temperature: Number | None = Field(default=1.0, ge=0, le=2)
     top_p: Number | None = Field(default=1.0, gt=0, le=1)
-    n: StrictInt | None = Field(default=1, ge=1)
-    best_of: StrictInt | None = Field(default=1, ge=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: Number | None = Field(default=0.0, ge=0, le=1)
+    n: StrictInt | None = Field(default=1, ge=1, le=MAX_N)
+    best_of: StrictInt | None = Field(default=None, ge=1)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: list[StrictInt] | None = None
     seed: StrictInt | None = None
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
-    presence_penalty: Number | None = 0
-    frequency_penalty: Number | None = 0
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(default=1.0, gt=0, le=10)
     logit_bias: dict[str, Number] | None = None
+    min_tokens: StrictInt | None = Field(default=0, ge=0)
+    ignore_eos: StrictBool | None = False
     user: StrictStr | None = None
+
+    def ignored(self) -> list[str]:
+        names = list(self.model_extra or {})
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
+        return names
+
+    def prompts(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
+    @property
+    def new_tokens(self) -> int:
+        """max_completion_tokens (the newer name) over max_tokens; OpenAI's default 16."""
+        for value in (self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return value
+        return 16
 
 
 class RequestError(Exception):
@@ -56,11 +94,6 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _unsupported(value, default, name: str, what: str) -> None:
-    if value not in (None, default):
-        raise RequestError(f"`{name}` is not supported by this server ({what})", name)
 
 
 MAX_JSON_DEPTH = 32  # a completion request nests 3 deep; the parser's recursion stays far away
@@ -95,7 +128,8 @@ def _valid_unicode(value, name: str) -> None:
                 raise RequestError(f"`{name}` is not valid Unicode (a lone surrogate)", name) from None
 
 
-def parse_completion(raw: bytes) -> CompletionRequest:
+def read_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or one RequestError saying why not."""
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
@@ -108,58 +142,102 @@ def parse_completion(raw: bytes) -> CompletionRequest:
         raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    return data
+
+
+def validated(model: type[BaseModel], raw: bytes, texts=()):
+    """`raw` read as `model`; the first field error as one RequestError naming the field."""
     try:
-        req = CompletionRequest.model_validate(data)
+        req = model.model_validate(read_json(raw))
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) or len(first["loc"]) == 1)
-        if first["type"] == "extra_forbidden":
-            raise RequestError(f"unknown field `{param}`", param) from None
         raise RequestError(f"`{param}`: {first['msg']}", param) from None
-    for name in ("model", "prompt", "suffix", "stop", "user"):
+    for name in texts:
         _valid_unicode(getattr(req, name), name)
-    _unsupported(req.n, 1, "n", "one completion per request: send n = 1")
-    _unsupported(req.best_of, 1, "best_of", "one completion per request")
-    _unsupported(req.echo, False, "echo", "the prompt is not echoed")
-    _unsupported(req.logprobs, None, "logprobs", "no log probabilities are returned")
-    _unsupported(req.presence_penalty, 0, "presence_penalty", "no penalties")
-    _unsupported(req.frequency_penalty, 0, "frequency_penalty", "no penalties")
-    if req.logit_bias:
-        raise RequestError("`logit_bias` is not supported by this server", "logit_bias")
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) != 1:
-            raise RequestError("one prompt per request: send a string (batches of prompts are not supported)",
-                               "prompt")
-        req.prompt = req.prompt[0]
-    if not req.prompt and not req.suffix:
-        raise RequestError("`prompt` is empty", "prompt")
-    if isinstance(req.stop, list) and len(req.stop) > 4:
-        raise RequestError("`stop` takes at most 4 sequences", "stop")
     return req
+
+
+def parse_completion(raw: bytes) -> CompletionRequest:
+    req = validated(CompletionRequest, raw, ("model", "prompt", "suffix", "stop", "user"))
+    check_completion(req)
+    return req
+
+
+def check_completion(req: CompletionRequest) -> None:
+    """What the field types alone do not say; one RequestError naming the field."""
+    prompts = req.prompts()
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"`prompt` takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
+    if any(len(p) == 0 for p in prompts) and not req.suffix:
+        raise RequestError("`prompt` is empty", "prompt")
+    if req.best_of not in (None, req.n):
+        raise RequestError("`best_of` is not supported by this server (send n alone)", "best_of")
+    if req.new_tokens == 0 and not req.echo:
+        raise RequestError("`max_tokens` 0 is only for scoring a prompt with `echo`", "max_tokens")
+    if req.echo and req.suffix is not None:
+        raise RequestError("`echo` cannot be combined with `suffix`", "echo")
+    if (req.min_tokens or 0) > req.new_tokens:
+        raise RequestError(f"`min_tokens` ({req.min_tokens}) is above max_tokens ({req.new_tokens})", "min_tokens")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise RequestError(f"`stop` takes at most {MAX_STOP} sequences", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP:
+        raise RequestError(f"`stop_token_ids` takes at most {MAX_STOP} ids", "stop_token_ids")
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_BIAS:
+            raise RequestError(f"`logit_bias` takes at most {MAX_BIAS} entries", "logit_bias")
+        for key, value in req.logit_bias.items():
+            if not key.isdigit():
+                raise RequestError(f"`logit_bias` keys are token ids, got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError(f"`logit_bias` values are in [-100, 100], got {value}", "logit_bias")
 
 
 def stop_list(req: CompletionRequest) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def sampling(req: CompletionRequest) -> dict:
-    """BatchRequest sampling fields: temperature 0 is greedy; no seed draws one (OpenAI: best effort).
-    Any integer seed is taken, reduced into [0, 2^63) (seed and seed + 2^63 sample alike)."""
+def check_token_ids(ids, vocab_size: int, name: str) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RequestError(f"{name} token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", name)
+
+
+def sampling(req: CompletionRequest, vocab_size: int, eos: int | None) -> dict:
+    """BatchRequest fields of every choice (the seed is per choice: `first_seed`): temperature 0
+    is greedy; no seed draws one (OpenAI: best effort). Any integer seed is taken, reduced into
+    [0, 2^63) (seed and seed + 2^63 sample alike)."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     greedy = temperature == 0
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    check_token_ids(bias, vocab_size, "logit_bias")
+    check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
     return {"do_sample": not greedy, "temperature": 1.0 if greedy else temperature,
-            "top_p": 1.0 if req.top_p is None else float(req.top_p),
-            "seed": req.seed if req.seed is not None else secrets.randbits(62)}
+            "top_p": 1.0 if req.top_p is None else float(req.top_p), "top_k": max(req.top_k or 0, 0),
+            "min_p": float(req.min_p or 0.0), "repetition_penalty": float(req.repetition_penalty or 1.0),
+            "presence_penalty": float(req.presence_penalty or 0.0),
+            "frequency_penalty": float(req.frequency_penalty or 0.0), "logit_bias": bias or None,
+            "min_new_tokens": req.min_tokens or 0, "stop_token_ids": tuple(req.stop_token_ids or ()),
+            "eos_token_id": None if req.ignore_eos else eos, "logprobs": req.logprobs,
+            "prompt_logprobs": req.logprobs if req.echo and req.logprobs is not None else None}
+
+
+def first_seed(req: CompletionRequest) -> int:
+    """Choice i of a request draws from this + i: n choices differ, and each is reproducible."""
+    return req.seed if req.seed is not None else secrets.randbits(62)
 
 
 def completion_id() -> str:
     return "cmpl-" + secrets.token_hex(12)
 
 
-def completion_body(cid: str, model: str, text: str, finish_reason: str | None, usage: dict | None,
-                    created: int | None = None) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(cid: str, model: str, choices: list[dict], usage: dict | None, created: int | None = None) -> dict:
     body = {"id": cid, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage
     return body

@@ -8,7 +8,10 @@ cache and a [n, t + 1] mask, no per-row lengths, no gathers.
 
 - Admission: the prompt is prefilled alone (batch 1, its own scratch cache: the numerics of
   `generate` on that request alone), its first token sampled, and its KV copied into row n at
-  columns [t - P, t). A prompt longer than `t` shifts the running rows right first.
+  columns [t - P, t). A prompt longer than `t` shifts the running rows right first. Requests
+  admitted in one step with the same prompt (n choices) share one prefill.
+- Sampling: each row's own rules (penalties, bias, min tokens: LogitRules) and sampler; a batch of
+  plain greedy rows is one argmax.
 - Release: the last active row moves into the freed row, so rows stay packed.
 - Failure of one request: an error raised while admitting or sampling for one request (not by the
   engine's forward over the batch) ends that request alone, reported in the step's "failed"; the
@@ -32,7 +35,7 @@ from plugins.core.config import ConfigError
 from plugins.core.tensors import tensor_bytes
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import BatchDecoder
-from plugins.engine.sampling import Sampler
+from plugins.engine.sampling import LogitRules, Sampler, top_logprobs
 from plugins.serving.prefix_cache import PrefixCache
 
 
@@ -49,6 +52,20 @@ class BatchRequest:
     top_p: float = 1.0
     seed: int = 0
     eos_token_id: int | None = None  # stop at this token (it is returned)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0        # EOS and stop_token_ids cannot come before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # stop at any of these too (returned)
+    logprobs: int | None = None    # with each token: its log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (one extra forward)
+
+    def rules(self) -> LogitRules:
+        stops = set(self.stop_token_ids) | ({self.eos_token_id} - {None})
+        return LogitRules(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.logit_bias,
+                          self.min_new_tokens, stops)
 
 
 def check_request(request: BatchRequest, capacity: int) -> None:
@@ -57,6 +74,8 @@ def check_request(request: BatchRequest, capacity: int) -> None:
         raise ConfigError("a request needs at least one prompt token")
     if request.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if not 0 <= request.min_new_tokens <= request.max_new_tokens:
+        raise ConfigError(f"min_new_tokens must be in [0, max_new_tokens], got {request.min_new_tokens}")
     if len(request.prompt) + request.max_new_tokens > capacity:
         raise ConfigError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                           f"exceeds the context of {capacity} tokens")
@@ -72,17 +91,34 @@ def _message(exc: BaseException) -> str:
 class _Row:
     request: BatchRequest
     sampler: Sampler
-    generated: int = 0
+    rules: LogitRules
+    output: list[int]
+
+    @property
+    def plain(self) -> bool:
+        """Greedy on the raw logits, nothing else asked: the batch's one argmax serves it."""
+        return not (self.request.do_sample or self.rules.active or self.request.logprobs is not None)
+
+    def choose(self, logits: torch.Tensor, logprobs: dict) -> int:
+        """This row's next token from its logits [1, V]; its log-probabilities (of the raw logits, as
+        vLLM reports them) into `logprobs`."""
+        token = int(self.sampler(self.rules(logits, self.request.prompt, self.output) if self.rules.active
+                                 else logits)[0])
+        if self.request.logprobs is not None:
+            logprobs.setdefault(self.request.id, []).append(top_logprobs(logits[0], token, self.request.logprobs))
+        return token
 
 
 class ContinuousBatch:
     """`prefix_cache_bytes` > 0 keeps the KV of prompt prefixes for later prompts that share them
     (plugins.serving.prefix_cache); 0 turns that off."""
 
-    def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0):
+    def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0,
+                 score=None):
+        """`score(input_ids, attention_mask)` -> logits of every position: prompt log-probabilities."""
         if slots < 1 or capacity < 2:
             raise ConfigError(f"a KV pool needs >= 1 slot and >= 2 columns, got {slots} x {capacity}")
-        self.decoder, self.slots, self.capacity = decoder, slots, capacity
+        self.decoder, self.slots, self.capacity, self.score = decoder, slots, capacity, score
         self.prefix = PrefixCache(prefix_cache_bytes, decoder.time_dim) if prefix_cache_bytes > 0 else None
         self.mask = torch.zeros((slots, capacity), dtype=torch.long, device=device)
         self.last = torch.zeros((slots, 1), dtype=torch.long, device=device)
@@ -101,7 +137,9 @@ class ContinuousBatch:
     def step(self, admit: list[BatchRequest] = (), release: list[int] = ()) -> dict:
         """Drop `release` (ids), prefill and place `admit`, then one decode step for every active row.
         Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
-        "failed": {id: message}} (requests that raised alone, now released)."""
+        "failed": {id: message}} (requests that raised alone, now released), and where asked
+        "logprobs": {id: [(logprob, [(token, logprob) x k]) per new token]}, "prompt_logprobs": {id: the
+        same per prompt token after the first}. Requests admitted together with one prompt share its prefill."""
         for request in admit:
             self.check(request)
         if self.n + len(admit) > self.slots:
@@ -114,41 +152,54 @@ class ContinuousBatch:
         out: dict[int, list[int]] = {}
         finished: dict[int, str] = {}
         failed: dict[int, str] = {}
+        logprobs: dict[int, list] = {}
+        prompt_logprobs: dict[int, list] = {}
+        prefilled: dict[tuple, tuple] = {}
         for request in admit:
             n = self.n
             try:
-                self._admit(request, out, finished)
+                self._admit(request, out, finished, logprobs, prompt_logprobs, prefilled)
             except Exception as exc:  # this request alone (a row is placed only at the end of _admit)
                 del self.rows[n:]
-                out.pop(request.id, None)
-                finished.pop(request.id, None)
+                for part in (out, finished, logprobs, prompt_logprobs):
+                    part.pop(request.id, None)
                 failed[request.id] = _message(exc)
         if self.rows:
-            self._decode(out, finished, failed)
+            self._decode(out, finished, failed, logprobs)
         result = {"tokens": out, "finished": finished, "failed": failed}
+        if logprobs:
+            result["logprobs"] = logprobs
+        if prompt_logprobs:
+            result["prompt_logprobs"] = prompt_logprobs
         if self.prefix:
             result["prefix_cache"] = self.prefix.stats()
         return result
 
     def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
         out.setdefault(row.request.id, []).append(token)
-        row.generated += 1
-        if token == row.request.eos_token_id:
+        row.output.append(token)
+        if token == row.request.eos_token_id or token in row.request.stop_token_ids:
             finished[row.request.id] = "stop"
-        elif row.generated >= row.request.max_new_tokens:
+        elif len(row.output) >= row.request.max_new_tokens:
             finished[row.request.id] = "length"
         return row.request.id in finished
 
-    def _admit(self, request: BatchRequest, out: dict, finished: dict) -> None:
+    def _admit(self, request: BatchRequest, out: dict, finished: dict, logprobs: dict, prompt_logprobs: dict,
+               prefilled: dict) -> None:
         p = len(request.prompt)
-        ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
-        _, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
-        logits, kv = self.decoder.prefill_alone(ids, prefix)
-        if self.prefix:
-            self.prefix.insert(request.prompt, kv)
         r = request
-        row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed))
-        token = int(row.sampler(logits)[0])
+        row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
+        key = tuple(request.prompt)
+        if key not in prefilled:
+            ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
+            _, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
+            prefilled[key] = self.decoder.prefill_alone(ids, prefix)
+            if self.prefix:
+                self.prefix.insert(request.prompt, prefilled[key][1])
+        logits, kv = prefilled[key]
+        if r.prompt_logprobs is not None:
+            prompt_logprobs[r.id] = self._prompt_logprobs(r)
+        token = row.choose(logits, logprobs)
         if self._emit(row, token, out, finished):
             return
         if p > self.t:
@@ -162,7 +213,15 @@ class ContinuousBatch:
         self.pos[i, 0] = p
         self.rows.append(row)
 
-    def _decode(self, out: dict, finished: dict, failed: dict) -> None:
+    def _prompt_logprobs(self, request: BatchRequest) -> list:
+        if self.score is None:
+            raise ConfigError("this engine cannot score prompts (no prompt log-probabilities)")
+        ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
+        logits = self.score(ids, torch.ones_like(ids))[0]
+        return [top_logprobs(logits[i - 1], token, request.prompt_logprobs)
+                for i, token in enumerate(request.prompt) if i > 0]
+
+    def _decode(self, out: dict, finished: dict, failed: dict, logprobs: dict) -> None:
         if self.t == self.capacity:
             self._compact()
         n, t = self.n, self.t
@@ -170,10 +229,10 @@ class ContinuousBatch:
         logits = self.decoder.decode(self.last[:n], self.mask[:n, :t + 1], self.pos[:n])
         self.t += 1
         self.pos[:n] += 1
-        if all(not row.request.do_sample for row in self.rows):
+        if all(row.plain for row in self.rows):
             tokens = logits.float().argmax(-1).tolist()
         else:
-            tokens = [self._sample(row, logits[r:r + 1], failed) for r, row in enumerate(self.rows)]
+            tokens = [self._choose(row, logits[r:r + 1], failed, logprobs) for r, row in enumerate(self.rows)]
         done = []
         for r, (row, token) in enumerate(zip(self.rows, tokens)):
             if token is None:  # its sampling raised: released, reported in `failed`
@@ -188,9 +247,9 @@ class ContinuousBatch:
             self._compact()
 
     @staticmethod
-    def _sample(row: _Row, logits: torch.Tensor, failed: dict) -> int | None:
+    def _choose(row: _Row, logits: torch.Tensor, failed: dict, logprobs: dict) -> int | None:
         try:
-            return int(row.sampler(logits)[0])
+            return row.choose(logits, logprobs)
         except Exception as exc:
             failed[row.request.id] = _message(exc)
             return None
@@ -272,4 +331,4 @@ def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_by
     if remote is not None:
         return remote(backend, slots, capacity, prefix_cache_bytes)
     return ContinuousBatch(backend.batch_decoder(slots, capacity), slots, capacity, backend.device,
-                           prefix_cache_bytes)
+                           prefix_cache_bytes, score=backend.logits)

@@ -3,7 +3,7 @@
 Before every step it hands the engine the requests that wait (as many as there are free slots)
 and the ones to drop (finished by a stop string, cancelled, client gone); the engine prefills the
 new ones, places them in the running batch and decodes every row once (`ContinuousBatch.step`, one
-call, also across TP ranks). New tokens go to each request's asyncio queue; detokenization and
+call, also across TP ranks). New tokens go to each request's asyncio queue (the last ones with the finish reason); detokenization and
 HTTP happen in the event loop, so this loop never waits on them.
 """
 
@@ -198,6 +198,11 @@ class Scheduler:
             new = 0
             for req in admit:
                 self.metrics.prompt_tokens.inc(len(req.params.prompt))
+            logprobs, finished = result.get("logprobs", {}), result["finished"]
+            for rid, entries in result.get("prompt_logprobs", {}).items():
+                req = self._running.get(rid)
+                if req is not None:
+                    outbox.setdefault(req.loop, []).append((req.queue, ("prompt", entries)))
             for rid, tokens in result["tokens"].items():
                 req = self._running.get(rid)
                 if req is None:
@@ -207,8 +212,12 @@ class Scheduler:
                     self.metrics.ttft.observe(now - req.arrived)
                 req.generated += len(tokens)
                 new += len(tokens)
-                outbox.setdefault(req.loop, []).append((req.queue, ("tokens", tokens)))
-            for rid, reason in result["finished"].items():
+                reason = finished.get(rid)
+                if reason is not None:  # its last tokens carry the finish reason
+                    self._running.pop(rid)
+                    self.metrics.finished.labels(reason).inc()
+                outbox.setdefault(req.loop, []).append((req.queue, ("tokens", tokens, logprobs.get(rid), reason)))
+            for rid, reason in finished.items():
                 req = self._running.pop(rid, None)
                 if req is not None:
                     self.metrics.finished.labels(reason).inc()

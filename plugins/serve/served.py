@@ -1,0 +1,206 @@
+"""What every endpoint shares: the scheduler, the tokenizer, prompt checks, and one generation as a
+stream of events (text as it becomes final, the token ids and log-probabilities behind it).
+
+The event loop tokenizes (in a worker thread), queues requests with the scheduler and turns the
+token ids it streams back into text; the decode loop runs in the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from starlette.concurrency import run_in_threadpool
+
+from plugins.core.config import ConfigError
+from plugins.serve.api import RequestError, check_token_ids
+from plugins.serve.text import EOS_NAMES, StreamText, encode_prompt, special_id
+from plugins.serving.batching import BatchRequest
+from plugins.serving.scheduler import QueueFull, Request, Scheduler, ServerClosing
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token stands for: a byte-level BPE token's string
+    has one character per byte, and each character is at least one byte in UTF-8. None where a
+    normalizer could shrink text before it is split (then no bound holds)."""
+    if tokenizer.normalizer is not None:
+        return None
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+class GenerationFailed(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def error(self) -> RequestError:
+        closing = self.message.startswith("the server is shutting down")
+        return RequestError(self.message, status=503 if closing else 500, kind="server_error")
+
+
+@dataclass
+class Event:
+    text: str                          # text now final (maybe "")
+    tokens: list[int] = field(default_factory=list)  # token ids fed since the last event
+    logprobs: list | None = None       # their (logprob, [(id, logprob)]) where asked
+    finish: str | None = None          # "stop" or "length" on the last event
+    stopped_by_text: bool = False      # the finish is a stop string's (not a stop token's)
+
+
+class Served:
+    """What the app serves: the scheduler (over an open backend), its tokenizer and the model id."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
+        self.eos = special_id(tokenizer, EOS_NAMES)
+        self.created = int(time.time())
+        self.max_body_bytes = max_body_bytes
+        per_token = max_token_bytes(tokenizer)
+        # a prompt (+ suffix) of more bytes than this cannot fit the context: refused before tokenizing
+        self.max_prompt_bytes = None if per_token is None else per_token * (scheduler.capacity - 1)
+        self._ignored: set[str] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.scheduler.capacity
+
+    def note_ignored(self, names) -> None:
+        """Unknown request fields are ignored; each is named once in the log."""
+        for name in names:
+            if name not in self._ignored:
+                self._ignored.add(name)
+                print(f"ignoring request field {name!r} (not used by this server)", flush=True)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise RequestError(f"model {model!r} does not exist; this server serves {self.model_id!r}",
+                               "model", status=404, code="model_not_found")
+
+    async def prompt_ids(self, prompt, suffix: str | None = None, name: str = "prompt") -> list[int]:
+        """Token ids of a text prompt (fill-in-the-middle with `suffix`) or checked ids as given."""
+        if isinstance(prompt, list):  # token ids
+            if suffix is not None:
+                raise RequestError("`suffix` needs a text prompt, not token ids", "suffix")
+            check_token_ids(prompt, self.vocab_size, name)
+            if not prompt:
+                raise RequestError(f"`{name}` is empty", name)
+            return list(prompt)
+        if self.max_prompt_bytes is not None:
+            size = len(prompt.encode()) + len((suffix or "").encode())
+            if size > self.max_prompt_bytes:
+                raise RequestError(f"`{name}` is {size} bytes: more than {self.capacity - 1} tokens of this "
+                                   f"model's context can hold (at most {self.max_prompt_bytes} bytes)", name)
+        try:
+            ids = await run_in_threadpool(encode_prompt, self.tokenizer, prompt, suffix)
+        except ValueError as e:
+            raise RequestError(str(e), "suffix") from None
+        if not ids:
+            raise RequestError(f"`{name}` encodes to no tokens", name)
+        return ids
+
+    def check_fits(self, prompt: list[int], max_tokens: int, param: str = "max_tokens") -> None:
+        if len(prompt) + max_tokens > self.capacity:
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                               f"context of {self.capacity} tokens", param)
+
+    def start(self, params: BatchRequest, stop: list[str], arrived: float) -> "Generation":
+        """Queue one generation (RequestError 503 when the queue is full or the server closes)."""
+        entry = Request(params, asyncio.get_running_loop(), arrived=arrived)
+        try:
+            self.scheduler.submit(entry)
+        except (QueueFull, ServerClosing) as e:
+            raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
+        except ConfigError as e:
+            raise RequestError(str(e)) from None
+        skip = ({self.eos} | set(params.stop_token_ids)) - {None}
+        return Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=skip))
+
+    def request(self, **fields) -> BatchRequest:
+        return BatchRequest(id=self.scheduler.new_id(), **fields)
+
+
+class Generation:
+    """One queued request: its events, and its prompt's log-probabilities once prefilled."""
+
+    def __init__(self, scheduler: Scheduler, entry: Request, text: StreamText):
+        self.scheduler, self.entry, self.text = scheduler, entry, text
+        self.prompt_logprobs: list | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.text.ids)
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.entry.params.id)
+
+    async def events(self):
+        """Event per step with new text; the last has `finish`. GenerationFailed on an error. Leaving
+        early (client gone, stop string) drops the request from the batch."""
+        finished = False
+        try:
+            while True:
+                item = await self.entry.queue.get()
+                kind = item[0]
+                if kind == "prompt":
+                    self.prompt_logprobs = item[1]
+                elif kind == "tokens":
+                    _, tokens, logprobs, reason = item
+                    piece = self.text.add(tokens)
+                    if self.text.stopped:
+                        yield Event(piece, tokens, logprobs, "stop", stopped_by_text=True)
+                        return
+                    if reason is not None:
+                        finished = True
+                        yield Event(piece + self.text.flush(), tokens, logprobs, reason)
+                        return
+                    yield Event(piece, tokens, logprobs)
+                elif kind == "done":
+                    finished = True
+                    yield Event(self.text.flush(), finish="stop" if item[1] == "cancelled" else item[1])
+                    return
+                else:
+                    finished = True
+                    raise GenerationFailed(item[1])
+        finally:
+            if not finished:
+                self.cancel()
+
+
+async def merged(generations: list[Generation]):
+    """(index, Event) from several generations as they come; the first failure ends them all."""
+    if len(generations) == 1:
+        async for event in generations[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for event in gen.events():
+                await queue.put((i, event))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for gen in generations:
+            gen.cancel()  # a no-op for the finished ones (the scheduler no longer holds them)

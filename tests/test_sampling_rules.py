@@ -1,0 +1,144 @@
+"""What a request may ask of the logits in the continuous batch (penalties, bias, min_tokens, stop
+ids, log-probabilities), checked against HF's own logits processors and log-softmax (fp32)."""
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
+from plugins.engine.sampling import LogitRules
+from plugins.serving.batching import BatchRequest, open_batch
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return load_backend("hf", ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module", params=["hf", "deepspeed", "megatron"])
+def engine(request, ckpt):
+    return load_backend(request.param, ckpt, dtype="float32")
+
+
+def run_alone(backend, request: BatchRequest, slots=4):
+    batch = open_batch(backend, slots, 128)
+    result = batch.step([request])
+    tokens, logprobs = list(result["tokens"][request.id]), list(result.get("logprobs", {}).get(request.id, []))
+    while request.id not in result["finished"]:
+        result = batch.step()
+        tokens += result["tokens"][request.id]
+        logprobs += result.get("logprobs", {}).get(request.id, [])
+    return tokens, logprobs, result["finished"][request.id]
+
+
+def reference(backend, prompt, new, adjust):
+    """Greedy by full forwards of the HF model, `adjust(logits [1, V], output)` applied each step."""
+    ids = list(prompt)
+    for _ in range(new):
+        t = torch.tensor([ids])
+        logits = backend.logits(t, torch.ones_like(t))[:, -1]
+        ids.append(int(adjust(logits, ids[len(prompt):]).argmax(-1)))
+    return ids[len(prompt):]
+
+
+def test_repetition_penalty_is_hfs_processor(engine, hf, tokenizer):
+    prompt = prompt_token_ids(tokenizer, 12, 3)
+    hf_rule = RepetitionPenaltyLogitsProcessor(1.7)
+
+    def adjust(logits, output):
+        return hf_rule(torch.tensor([prompt + output]), logits.clone())
+
+    expected = reference(hf, prompt, 10, adjust)
+    got, _, _ = run_alone(engine, BatchRequest(id=1, prompt=prompt, max_new_tokens=10, repetition_penalty=1.7))
+    assert got == expected
+    assert got != reference(hf, prompt, 10, lambda logits, _: logits)  # the penalty changed something
+
+
+def test_frequency_and_presence_penalties_are_openais(hf, tokenizer):
+    prompt = prompt_token_ids(tokenizer, 9, 5)
+
+    def adjust(logits, output):  # OpenAI: logit - count * frequency - (count > 0) * presence
+        logits = logits.clone()
+        for token in set(output):
+            logits[0, token] -= output.count(token) * 0.9 + 0.6
+        return logits
+
+    got, _, _ = run_alone(hf, BatchRequest(id=2, prompt=prompt, max_new_tokens=12, frequency_penalty=0.9,
+                                           presence_penalty=0.6))
+    assert got == reference(hf, prompt, 12, adjust)
+    assert got != reference(hf, prompt, 12, lambda logits, _: logits)
+
+
+def test_logit_bias_min_tokens_and_stop_ids(hf, tokenizer):
+    prompt = prompt_token_ids(tokenizer, 7, 1)
+    eos, other = 0, 1000
+    pushed = {eos: 100.0}
+    # EOS made certain: it comes first and ends the request ...
+    tokens, _, reason = run_alone(hf, BatchRequest(id=3, prompt=prompt, max_new_tokens=8, eos_token_id=eos,
+                                                   logit_bias=pushed))
+    assert (tokens, reason) == ([eos], "stop")
+    # ... unless min_new_tokens holds it back (then the same rule as without the bias picks the others)
+    tokens, _, reason = run_alone(hf, BatchRequest(id=4, prompt=prompt, max_new_tokens=8, eos_token_id=eos,
+                                                   logit_bias=pushed, min_new_tokens=3))
+    assert len(tokens) == 4 and tokens[-1] == eos and eos not in tokens[:3] and reason == "stop"
+    assert tokens[:3] == reference(hf, prompt, 3, lambda logits, _: logits.index_fill(1, torch.tensor([eos]),
+                                                                                      float("-inf")))
+    # a stop token id ends it like EOS
+    tokens, _, reason = run_alone(hf, BatchRequest(id=5, prompt=prompt, max_new_tokens=8, stop_token_ids=(other,),
+                                                   logit_bias={other: 100.0}))
+    assert (tokens, reason) == ([other], "stop")
+    # no EOS id (ignore_eos): the biased EOS is just a token
+    tokens, _, reason = run_alone(hf, BatchRequest(id=6, prompt=prompt, max_new_tokens=5, logit_bias=pushed))
+    assert (tokens, reason) == ([eos] * 5, "length")
+
+
+def test_logprobs_are_the_models_log_softmax(engine, hf, tokenizer):
+    prompt = prompt_token_ids(tokenizer, 10, 2)
+    tokens, logprobs, _ = run_alone(engine, BatchRequest(id=7, prompt=prompt, max_new_tokens=6, logprobs=5))
+    full = torch.tensor([prompt + tokens])
+    expected = torch.log_softmax(hf.logits(full, torch.ones_like(full))[0].float(), -1)
+    assert len(logprobs) == len(tokens)
+    for i, (token, (value, top)) in enumerate(zip(tokens, logprobs)):
+        row = expected[len(prompt) - 1 + i]
+        assert abs(value - float(row[token])) < 1e-5
+        assert len(top) == 5 and top[0][0] == token and top[0][1] == value  # greedy: the top one, same number
+        assert [t for t, _ in top] == row.topk(5).indices.tolist()
+
+
+def test_prompt_logprobs_and_n_rows_sharing_one_prefill(hf, tokenizer):
+    prompt = prompt_token_ids(tokenizer, 15, 4)
+    batch = open_batch(hf, 4, 128)
+    calls = []
+    prefill = batch.decoder.prefill_alone
+    batch.decoder.prefill_alone = lambda *a: calls.append(1) or prefill(*a)
+    requests = [BatchRequest(id=10 + i, prompt=prompt, max_new_tokens=5, do_sample=True, temperature=0.9, seed=40 + i,
+                             prompt_logprobs=2 if i == 0 else None) for i in range(3)]
+    result = batch.step(requests)
+    assert len(calls) == 1  # three rows, one prefill
+    assert list(result["prompt_logprobs"]) == [10]
+    scored = result["prompt_logprobs"][10]
+    out = {r.id: list(result["tokens"][r.id]) for r in requests}
+    while batch.n:
+        result = batch.step()
+        for rid, tokens in result["tokens"].items():
+            out[rid] += tokens
+    for r in requests:
+        ids = torch.tensor([prompt])
+        alone = hf.generate(ids, torch.ones_like(ids), 5, do_sample=True, temperature=0.9, seed=r.seed)
+        assert out[r.id] == alone.tokens[0, len(prompt):].tolist()
+    assert len({tuple(v) for v in out.values()}) > 1  # seeds differ, so do the samples
+    t = torch.tensor([prompt])
+    expected = torch.log_softmax(hf.logits(t, torch.ones_like(t))[0].float(), -1)
+    assert len(scored) == len(prompt) - 1
+    for i, (value, top) in enumerate(scored):
+        assert abs(value - float(expected[i, prompt[i + 1]])) < 1e-5
+        assert [t for t, _ in top] == expected[i].topk(2).indices.tolist()
+
+
+def test_rules_refuse_bad_values():
+    from plugins.core.config import ConfigError
+    with pytest.raises(ConfigError, match="repetition_penalty must be > 0"):
+        LogitRules(repetition_penalty=0.0)
+    with pytest.raises(ConfigError, match="presence_penalty must be a finite number"):
+        LogitRules(presence_penalty=float("nan"))
