@@ -115,7 +115,7 @@ def test_prompt_logprobs_and_n_rows_sharing_one_prefill(hf, tokenizer):
     requests = [BatchRequest(id=10 + i, prompt=prompt, max_new_tokens=5, do_sample=True, temperature=0.9, seed=40 + i,
                              prompt_logprobs=2 if i == 0 else None) for i in range(3)]
     result = batch.step(requests)
-    assert len(calls) == 1  # three rows, one prefill
+    assert len(calls) == 1 and result["prefill_tokens"] == len(prompt)  # three rows, one prefill
     assert list(result["prompt_logprobs"]) == [10]
     scored = result["prompt_logprobs"][10]
     out = {r.id: list(result["tokens"][r.id]) for r in requests}

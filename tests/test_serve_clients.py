@@ -60,9 +60,11 @@ def post_stream(server, path, body) -> list:
 
 
 def test_n_seeded_choices_are_reproducible_and_each_is_its_own_seed(server, engine, tokenizer, model):
-    prompt = tokenizer.decode(prompt_token_ids(tokenizer, 11, 2))
-    asks = [server.client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.9, n=4, seed=5)
-            for _ in range(2)]
+    prompt = tokenizer.decode(prompt_token_ids(tokenizer, 11, 2))  # under one 16-token block: never cached
+    computed = server.metric("mqa_prefill_tokens_total")
+    asks = [server.client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.9, n=SLOTS,
+                                             seed=5) for _ in range(2)]
+    assert server.metric("mqa_prefill_tokens_total") - computed == 2 * asks[0].usage.prompt_tokens  # once per ask
     texts = [[c.text for c in sorted(a.choices, key=lambda c: c.index)] for a in asks]
     assert texts[0] == texts[1] and len(set(texts[0])) > 1
     ids = tokenizer.encode(prompt).ids
@@ -245,3 +247,88 @@ def test_bad_tgi_and_tokenize_requests_get_one_error(server):
         r = httpx2.post(server.url + path, json=body)
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["param"] == param
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_server(ckpt, tmp_path_factory):
+    """The same weights, with a chat template in tokenizer_config.json (as transformers saves one)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(ckpt, d)
+    config_file = d / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config.update(chat_template=CHAT_TEMPLATE, eos_token="<|endoftext|>")
+    config_file.write_text(json.dumps(config))
+    s = Server(d, "--backend", "hf")
+    yield s
+    s.stop()
+
+
+def rendered(tokenizer, messages):
+    """The prompt as transformers renders the template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()), eos_token="<|endoftext|>",
+                                     chat_template=CHAT_TEMPLATE)
+    return hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_chat_stream_equals_the_plain_answer_and_generate_on_the_rendered_prompt(chat_server, engine, tokenizer):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A stack class"}]
+    client = chat_server.client
+    plain = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10, temperature=0)
+    pieces = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert pieces[0].choices[0].delta.role == "assistant"
+    text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    expected = text_of(tokenizer, greedy(engine, tokenizer.encode(rendered(tokenizer, messages)).ids, 10))
+    assert plain.choices[0].message.content == text == expected
+    assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == plain.choices[0].finish_reason
+    assert pieces[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert plain.usage.prompt_tokens == len(tokenizer.encode(rendered(tokenizer, messages)).ids)
+
+
+def test_chat_n_seeded_and_logprobs(chat_server, engine, tokenizer):
+    """evalplus' OpenAI backend asks pass@k samples as chat completions with n > 1."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    asks = [chat_server.client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, n=3,
+                                                       temperature=0.8, seed=11) for _ in range(2)]
+    contents = [[c.message.content for c in sorted(a.choices, key=lambda c: c.index)] for a in asks]
+    assert contents[0] == contents[1] and len(contents[0]) == 3
+    ids = tokenizer.encode(rendered(tokenizer, messages)).ids
+    for j, content in enumerate(contents[0]):
+        assert content == text_of(tokenizer, greedy(engine, ids, 6, do_sample=True, temperature=0.8, seed=11 + j))
+    answer = chat_server.client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=4,
+                                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    new = greedy(engine, ids, 4)
+    expected = log_softmax(engine, ids + new)
+    for i, entry in enumerate(content):
+        assert abs(entry.logprob - float(expected[len(ids) - 1 + i, new[i]])) < 1e-5
+        assert entry.top_logprobs[0].logprob == entry.logprob and len(entry.top_logprobs) == 3
+
+
+def test_guidellm_chat_body_content_parts(chat_server):
+    """guidellm ChatCompletionsRequestHandler.format: a system string, user content as a list of parts,
+    max_completion_tokens, stop null, ignore_eos, continuous usage."""
+    body = {"model": "tiny-chat", "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 12, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "prefix"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]}
+    chunks = [json.loads(e) for e in post_stream(chat_server, "/v1/chat/completions", body)[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"] == []
+    assert all("usage" in c for c in chunks)
+
+
+def test_chat_without_a_template_is_one_400(server, model):
+    r = httpx2.post(server.url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    assert httpx2.get(server.url + "/tokenizer_info").json()["chat_template"] is None

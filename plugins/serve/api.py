@@ -1,4 +1,5 @@
-"""The OpenAI completions request, checked field by field, and the response bodies.
+"""The OpenAI completions and chat completions requests, checked field by field, and the
+completions response bodies.
 
 Wrong types and values the server cannot honour are refused (HTTP 400 with an OpenAI-style error
 body). Fields it does not know are ignored, as vLLM does: clients add their own (Ollama's `options`,
@@ -30,15 +31,13 @@ MAX_LOGPROBS = 20   # OpenAI's bound on `logprobs`
 MAX_BIAS = 1024     # logit_bias entries
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completions fields plus vLLM's sampling extensions. Fields not declared here are kept
-    in `model_extra` and ignored (the app names each once in its log)."""
+class Sampling(BaseModel):
+    """The fields completions and chat completions share: OpenAI's plus vLLM's sampling extensions.
+    Fields not declared are kept in `model_extra` and ignored (the app names each once in its log)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None  # vLLM's default: the one model served
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    suffix: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=0)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     temperature: Number | None = Field(default=1.0, ge=0, le=2)
@@ -52,8 +51,6 @@ class CompletionRequest(BaseModel):
     stop: Union[StrictStr, list[StrictStr], None] = None
     stop_token_ids: list[StrictInt] | None = None
     seed: StrictInt | None = None
-    echo: StrictBool | None = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     presence_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Number | None = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: Number | None = Field(default=1.0, gt=0, le=10)
@@ -68,6 +65,28 @@ class CompletionRequest(BaseModel):
             names += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
         return names
 
+    @property
+    def asked_tokens(self) -> int | None:
+        """max_completion_tokens (the newer name) over max_tokens; None when neither is given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return None
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """The same for the prompt's tokens."""
+        return None
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    suffix: StrictStr | None = None
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
     def prompts(self) -> list:
         """One entry per prompt: a string or a list of token ids."""
         p = self.prompt
@@ -77,11 +96,15 @@ class CompletionRequest(BaseModel):
 
     @property
     def new_tokens(self) -> int:
-        """max_completion_tokens (the newer name) over max_tokens; OpenAI's default 16."""
-        for value in (self.max_completion_tokens, self.max_tokens):
-            if value is not None:
-                return value
-        return 16
+        return 16 if self.asked_tokens is None else self.asked_tokens  # OpenAI's default
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class RequestError(Exception):
@@ -171,14 +194,18 @@ def check_completion(req: CompletionRequest) -> None:
         raise RequestError(f"`prompt` takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     if any(len(p) == 0 for p in prompts) and not req.suffix:
         raise RequestError("`prompt` is empty", "prompt")
-    if req.best_of not in (None, req.n):
-        raise RequestError("`best_of` is not supported by this server (send n alone)", "best_of")
     if req.new_tokens == 0 and not req.echo:
         raise RequestError("`max_tokens` 0 is only for scoring a prompt with `echo`", "max_tokens")
     if req.echo and req.suffix is not None:
         raise RequestError("`echo` cannot be combined with `suffix`", "echo")
-    if (req.min_tokens or 0) > req.new_tokens:
-        raise RequestError(f"`min_tokens` ({req.min_tokens}) is above max_tokens ({req.new_tokens})", "min_tokens")
+    check_sampling(req, req.new_tokens)
+
+
+def check_sampling(req: Sampling, new_tokens: int | None) -> None:
+    if req.best_of not in (None, req.n):
+        raise RequestError("`best_of` is not supported by this server (send n alone)", "best_of")
+    if new_tokens is not None and (req.min_tokens or 0) > new_tokens:
+        raise RequestError(f"`min_tokens` ({req.min_tokens}) is above max_tokens ({new_tokens})", "min_tokens")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise RequestError(f"`stop` takes at most {MAX_STOP} sequences", "stop")
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP:
@@ -193,7 +220,7 @@ def check_completion(req: CompletionRequest) -> None:
                 raise RequestError(f"`logit_bias` values are in [-100, 100], got {value}", "logit_bias")
 
 
-def stop_list(req: CompletionRequest) -> list[str]:
+def stop_list(req: Sampling) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
@@ -203,7 +230,7 @@ def check_token_ids(ids, vocab_size: int, name: str) -> None:
         raise RequestError(f"{name} token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", name)
 
 
-def sampling(req: CompletionRequest, vocab_size: int, eos: int | None) -> dict:
+def sampling(req: Sampling, vocab_size: int, eos: int | None) -> dict:
     """BatchRequest fields of every choice (the seed is per choice: `first_seed`): temperature 0
     is greedy; no seed draws one (OpenAI: best effort). Any integer seed is taken, reduced into
     [0, 2^63) (seed and seed + 2^63 sample alike)."""
@@ -218,11 +245,11 @@ def sampling(req: CompletionRequest, vocab_size: int, eos: int | None) -> dict:
             "presence_penalty": float(req.presence_penalty or 0.0),
             "frequency_penalty": float(req.frequency_penalty or 0.0), "logit_bias": bias or None,
             "min_new_tokens": req.min_tokens or 0, "stop_token_ids": tuple(req.stop_token_ids or ()),
-            "eos_token_id": None if req.ignore_eos else eos, "logprobs": req.logprobs,
-            "prompt_logprobs": req.logprobs if req.echo and req.logprobs is not None else None}
+            "eos_token_id": None if req.ignore_eos else eos, "logprobs": req.top_logprobs_k,
+            "prompt_logprobs": req.prompt_logprobs_k}
 
 
-def first_seed(req: CompletionRequest) -> int:
+def first_seed(req: Sampling) -> int:
     """Choice i of a request draws from this + i: n choices differ, and each is reproducible."""
     return req.seed if req.seed is not None else secrets.randbits(62)
 

@@ -1,4 +1,5 @@
-"""The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions),
+"""The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions) and
+`/v1/chat/completions` (plugins.serve.chat),
 TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), vLLM's `/tokenize`, `/detokenize` and
 `/tokenizer_info`, `/v1/models`, `/health`, Prometheus `/metrics`.
 """
@@ -18,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from plugins.serve import tgi, tokens
 from plugins.serve.api import RequestError
+from plugins.serve.chat import create_chat_completion
 from plugins.serve.completions import create_completion
 from plugins.serve.served import Served
 
@@ -98,6 +100,7 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
         app.add_api_route(path, endpoint, methods=["POST"], name=path)
 
     route("/v1/completions", create_completion)
+    route("/v1/chat/completions", create_chat_completion)
     route("/generate", tgi.generate)
     route("/generate_stream", tgi.generate_stream)
     route("/tokenize", tokens.tokenize)

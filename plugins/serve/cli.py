@@ -103,12 +103,14 @@ def main(argv=None) -> int:
 
     from plugins.core.tokenizer import checkpoint_tokenizer
     from plugins.serve.app import Served, create_app
+    from plugins.serve.chat import ChatTemplate
     from plugins.serve.http_limits import Limits, limited_protocol
     from plugins.serving.scheduler import Scheduler
 
     try:
         tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
-    except ValueError as e:  # its ids do not fit the model
+        chat = ChatTemplate.of_checkpoint(args.checkpoint_dir, tokenizer)
+    except ValueError as e:  # its ids do not fit the model; its tokenizer_config.json is not JSON
         ap.error(str(e))
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}); "
              f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
         backend.close()
         raise
     model_id = args.checkpoint_dir.resolve().name
-    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size, args.max_body_bytes),
+    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size, args.max_body_bytes, chat),
                      on_shutdown=backend.close)
     announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
     limits = Limits(args.read_timeout, args.max_connections)

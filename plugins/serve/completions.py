@@ -13,8 +13,8 @@ import time
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from plugins.serve.api import (CompletionRequest, RequestError, choice, completion_body, completion_id, first_seed,
-                               parse_completion, sampling, stop_list, usage)
+from plugins.serve.api import (CompletionRequest, RequestError, Sampling, choice, completion_body, completion_id,
+                               first_seed, parse_completion, sampling, stop_list, usage)
 from plugins.serve.served import Generation, GenerationFailed, Served, merged
 
 
@@ -97,21 +97,11 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
     new_tokens = max(req.new_tokens, 1)  # max_tokens 0 (echo): one token is made and dropped
     for ids in prompts:
         served.check_fits(ids, new_tokens)
-    fields = sampling(req, served.vocab_size, served.eos)
-    seed, stop, n = first_seed(req), stop_list(req), req.n or 1
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=False)
              for p in req.prompts()]
-    choices: list[Choice] = []
-    try:
-        for ids, text in zip(prompts, texts):
-            for j in range(n):
-                params = served.request(prompt=ids, max_new_tokens=new_tokens, seed=seed + j, **fields)
-                choices.append(Choice(served, served.start(params, stop, arrived), ids, text, req))
-    except RequestError:
-        for c in choices:
-            c.gen.cancel()
-        raise
-    gens = [c.gen for c in choices]
+    gens = start_choices(served, req, prompts, new_tokens, arrived)
+    pairs = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(req.n or 1)]
+    choices = [Choice(served, gen, ids, text, req) for gen, (ids, text) in zip(gens, pairs)]
     cid, created, model = completion_id(), int(time.time()), served.model_id
     prompt_tokens = sum(len(ids) for ids in prompts)
 
@@ -120,42 +110,68 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
 
     if req.stream:
         options = req.stream_options
-        include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
 
-        async def events():
-            try:
-                async for i, event in merged(gens):
-                    text, part = choices[i].take(event)
-                    if text or part or choices[i].finish:
-                        yield sse(completion_body(cid, model, [choice(i, text, choices[i].finish, part)],
-                                                  current_usage() if continuous else None, created))
-            except GenerationFailed as exc:  # an error event, then the end of the stream as always
-                yield sse(exc.error().body())
-                yield "data: [DONE]\n\n"
-                return
-            except Exception as exc:  # e.g. detokenizing raised: this stream ends alone, with an error event
-                print(f"stream {cid} failed: {type(exc).__name__}: {exc}", flush=True)
-                yield sse(RequestError("internal server error", status=500, kind="server_error").body())
-                yield "data: [DONE]\n\n"
-                return
-            if include_usage:
-                yield sse(completion_body(cid, model, [], current_usage(), created))
+        async def chunks():
+            async for i, event in merged(gens):
+                text, part = choices[i].take(event)
+                if text or part or choices[i].finish:
+                    yield completion_body(cid, model, [choice(i, text, choices[i].finish, part)],
+                                          current_usage() if continuous else None, created)
+
+        final = (lambda: completion_body(cid, model, [], current_usage(), created)) \
+            if options and options.include_usage else None
+        return sse_response(cid, chunks(), final)
+
+    await collect(http, gens, lambda i, event: choices[i].take(event))
+    return completion_body(cid, model, [choice(i, "".join(c.parts), c.finish, c.logprobs and c.logprobs.body)
+                                        for i, c in enumerate(choices)], current_usage(), created)
+
+
+def sse_response(cid: str, chunks, final=None) -> StreamingResponse:
+    """Server-sent events: each chunk, then `final()` (the usage chunk) where given, then [DONE]. A
+    failure ends the stream alone with an error event (and [DONE], as always)."""
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except GenerationFailed as exc:
+            yield sse(exc.error().body())
             yield "data: [DONE]\n\n"
+            return
+        except Exception as exc:  # e.g. detokenizing raised: this stream ends alone, with an error event
+            print(f"stream {cid} failed: {type(exc).__name__}: {exc}", flush=True)
+            yield sse(RequestError("internal server error", status=500, kind="server_error").body())
+            yield "data: [DONE]\n\n"
+            return
+        if final is not None:
+            yield sse(final())
+        yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+async def collect(http: HTTPRequest, gens: list[Generation], take) -> None:
+    """Every event of a non-streaming answer into `take(i, event)`; the client leaving cancels all."""
     watcher = asyncio.create_task(cancel_on_disconnect(http, gens))
     try:
         async for i, event in merged(gens):
-            choices[i].take(event)
+            take(i, event)
     except GenerationFailed as exc:
         raise exc.error() from None
     finally:
         watcher.cancel()
-    return completion_body(cid, model, [choice(i, "".join(c.parts), c.finish, c.logprobs and c.logprobs.body)
-                                        for i, c in enumerate(choices)], current_usage(), created)
+
+
+def start_choices(served: Served, req: Sampling, prompts: list[list[int]], new_tokens: int,
+                  arrived: float) -> list[Generation]:
+    """n generations per prompt, queued together (choice p * n + j: seed + j); all or none."""
+    fields = sampling(req, served.vocab_size, served.eos)
+    seed = first_seed(req)
+    params = [served.request(prompt=ids, max_new_tokens=new_tokens, seed=seed + j, **fields)
+              for ids in prompts for j in range(req.n or 1)]
+    return served.start(params, stop_list(req), arrived)
 
 
 async def cancel_on_disconnect(http: HTTPRequest, gens: list[Generation]) -> None:

@@ -54,8 +54,10 @@ class Served:
     """What the app serves: the scheduler (over an open backend), its tokenizer and the model id."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, chat=None):
+        """`chat`: the checkpoint's chat template (plugins.serve.chat.ChatTemplate), or None."""
         self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
+        self.chat = chat
         self.eos = special_id(tokenizer, EOS_NAMES)
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
@@ -107,17 +109,18 @@ class Served:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                                f"context of {self.capacity} tokens", param)
 
-    def start(self, params: BatchRequest, stop: list[str], arrived: float) -> "Generation":
-        """Queue one generation (RequestError 503 when the queue is full or the server closes)."""
-        entry = Request(params, asyncio.get_running_loop(), arrived=arrived)
+    def start(self, params: list[BatchRequest], stop: list[str], arrived: float) -> list["Generation"]:
+        """Queue generations together (RequestError 503 when the queue is full or the server closes)."""
+        loop = asyncio.get_running_loop()
+        entries = [Request(p, loop, arrived=arrived) for p in params]
         try:
-            self.scheduler.submit(entry)
+            self.scheduler.submit(*entries)
         except (QueueFull, ServerClosing) as e:
             raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
         except ConfigError as e:
             raise RequestError(str(e)) from None
-        skip = ({self.eos} | set(params.stop_token_ids)) - {None}
-        return Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=skip))
+        return [Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=({self.eos} | set(
+            entry.params.stop_token_ids)) - {None})) for entry in entries]
 
     def request(self, **fields) -> BatchRequest:
         return BatchRequest(id=self.scheduler.new_id(), **fields)

@@ -70,7 +70,7 @@ async def _start(served: Served, body: bytes, arrived: float):
         top_k=p.top_k or 0, top_p=float(p.top_p or 1.0), seed=seed, eos_token_id=served.eos,
         repetition_penalty=float(p.repetition_penalty or 1.0), frequency_penalty=float(p.frequency_penalty or 0.0),
         logprobs=p.top_n_tokens or 0, prompt_logprobs=0 if p.decoder_input_details else None)
-    return req, params, served.start(params, p.stop, arrived)
+    return req, params, served.start([params], p.stop, arrived)[0]
 
 
 def _token(served: Served, token: int, entry, text: str | None = None) -> dict:

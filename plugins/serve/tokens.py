@@ -47,4 +47,4 @@ def tokenizer_info(served: Served) -> dict:
     eos = next((name for name in EOS_NAMES if served.tokenizer.token_to_id(name) is not None), None)
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos, "unk_token": eos,
             "pad_token": None, "model_max_length": served.capacity, "vocab_size": served.vocab_size,
-            "chat_template": None}
+            "chat_template": served.chat.template if served.chat is not None else None}

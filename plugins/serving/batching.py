@@ -125,6 +125,7 @@ class ContinuousBatch:
         self.pos = torch.zeros((slots, 1), dtype=torch.long, device=device)
         self.rows: list[_Row] = []
         self.t = 0  # columns in use
+        self.prefill_tokens = 0  # prompt tokens computed so far (not those of shared prefills or cache hits)
 
     @property
     def n(self) -> int:
@@ -139,7 +140,7 @@ class ContinuousBatch:
         Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
         "failed": {id: message}} (requests that raised alone, now released), and where asked
         "logprobs": {id: [(logprob, [(token, logprob) x k]) per new token]}, "prompt_logprobs": {id: the
-        same per prompt token after the first}. Requests admitted together with one prompt share its prefill."""
+        same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the start. Requests admitted together with one prompt share its prefill."""
         for request in admit:
             self.check(request)
         if self.n + len(admit) > self.slots:
@@ -166,7 +167,7 @@ class ContinuousBatch:
                 failed[request.id] = _message(exc)
         if self.rows:
             self._decode(out, finished, failed, logprobs)
-        result = {"tokens": out, "finished": finished, "failed": failed}
+        result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens}
         if logprobs:
             result["logprobs"] = logprobs
         if prompt_logprobs:
@@ -192,8 +193,9 @@ class ContinuousBatch:
         key = tuple(request.prompt)
         if key not in prefilled:
             ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
-            _, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
+            cached, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
             prefilled[key] = self.decoder.prefill_alone(ids, prefix)
+            self.prefill_tokens += p - cached
             if self.prefix:
                 self.prefix.insert(request.prompt, prefilled[key][1])
         logits, kv = prefilled[key]

@@ -67,7 +67,10 @@ class Metrics:
         self.tokens_per_s = Gauge("mqa_generation_tokens_per_second", "Generated tokens/s over the last 10 s",
                                   registry=r)
         self.tokens = Counter("mqa_generation_tokens", "Generated tokens", registry=r)
-        self.prompt_tokens = Counter("mqa_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("mqa_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefill_tokens = Counter("mqa_prefill_tokens", "Prompt tokens computed by prefills (one per shared "
+                                      "prompt of n choices, cached prefixes not counted)", registry=r)
+        self._prefill_seen = 0
         self.finished = Counter("mqa_requests_finished", "Finished requests", ["reason"], registry=r)
         self.ttft = Histogram("mqa_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
@@ -88,6 +91,11 @@ class Metrics:
             self._prefix_seen[key] = stats[key]
         self.prefix_bytes.set(stats["cached_bytes"])
         self.prefix_hit_rate.set(stats["hits"] / stats["lookups"] if stats["lookups"] else 0.0)
+
+    def prefill(self, total: int) -> None:
+        """The engine's running count of computed prompt tokens -> the counter."""
+        self.prefill_tokens.inc(max(total - self._prefill_seen, 0))
+        self._prefill_seen = max(total, self._prefill_seen)
 
     def step(self, now: float, new_tokens: int) -> None:
         self.steps.inc()
@@ -136,16 +144,19 @@ class Scheduler:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def submit(self, request: Request) -> None:
-        check_request(request.params, self.capacity)  # ConfigError: the caller's 400, before any queueing
+    def submit(self, *requests: Request) -> None:
+        """Queue requests together (all or none): n choices of one prompt are admitted in one step where
+        the slots allow, so they share its prefill."""
+        for request in requests:
+            check_request(request.params, self.capacity)  # ConfigError: the caller's 400, before any queueing
         with self._cond:
             if self._closing or self.error:
                 raise ServerClosing("the server is shutting down" if self._closing else f"engine failed: {self.error}")
-            without_slot = len(self._waiting) - (self.slots - len(self._running))
+            without_slot = len(self._waiting) + len(requests) - 1 - (self.slots - len(self._running))
             if without_slot >= self.max_waiting:
                 raise QueueFull(f"server busy: {max(without_slot, 0)} requests already wait for a KV slot "
                                 f"(--max-waiting {self.max_waiting}); retry later")
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
 
@@ -229,6 +240,7 @@ class Scheduler:
                     self.metrics.finished.labels("error").inc()
                     outbox.setdefault(req.loop, []).append((req.queue, ("error", f"this request failed: {message}")))
             self.metrics.step(now, new)
+            self.metrics.prefill(result.get("prefill_tokens", 0))
             if "prefix_cache" in result:
                 self.metrics.prefix_cache(result["prefix_cache"])
             self.metrics.running.set(len(self._running))
