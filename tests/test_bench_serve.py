@@ -112,3 +112,17 @@ def test_prefix_bench_reuses_the_shared_context_and_reports_both_runs(ckpt_facto
     assert on["metrics"]["mqa_prefix_cache_hits_total"] >= 3 + 3
     assert on["metrics"]["mqa_prefix_cache_reused_tokens_total"] >= 3 * 64 + 3 * 64
     assert "| shared_prefix | on |" in (out / "prefix.md").read_text()
+
+
+def test_n_choices_bench_prefills_once_and_samples_as_separate_requests(ckpt_factory, tmp_path):
+    from plugins.bench import choices
+
+    out = tmp_path / "choices"
+    assert choices.main([str(ckpt_factory("tiny")), "--backend", "hf", "--dtype", "float32", "--n", "4",
+                         "--prompt-len", "32", "--max-tokens", "6", "--passk-prompts", "2", "--passk-n", "2",
+                         "--kv-budget", "64MB", "--out", str(out)]) == 0
+    result = json.loads((out / "choices.json").read_text())
+    assert result["n"]["prefill_tokens"] == 32 and result["n"]["choices"] == 4  # one prefill for 4 rows
+    assert result["n"]["generation_tokens"] == result["separate"]["generation_tokens"] == 4 * 6
+    assert result["same_samples"]  # choice j of n is request j alone (seed + j), fp32
+    assert result["passk"]["choices"] == 4 and result["passk"]["prefill_tokens"] == 2 * 32

@@ -332,3 +332,22 @@ def test_chat_without_a_template_is_one_400(server, model):
                                                                                              "content": "hi"}]})
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
     assert httpx2.get(server.url + "/tokenizer_info").json()["chat_template"] is None
+
+
+def test_twinny_ollama_provider_gets_ollamas_stream(server, engine, tokenizer, model):
+    """twinnydotdev/twinny src/extension/provider-options.ts createStreamRequestBodyFim (ollama provider, the
+    body its openai-compatible provider sends too) and src/extension/providers/completion.ts onData: NDJSON
+    lines read for `response`; Ollama's options name the sampling."""
+    prompt = "<fim-prefix>def add(a, b):\n    <fim-suffix>\n<fim-middle>"
+    body = {"model": model, "prompt": prompt, "stream": True, "keep_alive": "5m",
+            "options": {"temperature": 0, "num_predict": 9}}
+    with httpx2.stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"]
+    assert "".join(line["response"] for line in lines) == text_of(tokenizer, greedy(engine, tokenizer.encode(prompt).ids, 9))
+    assert lines[-1]["eval_count"] == len(greedy(engine, tokenizer.encode(prompt).ids, 9))
+    assert lines[-1]["done_reason"] in ("length", "stop")
+    plain = httpx2.post(server.url + "/api/generate", json={**body, "stream": False}, timeout=60).json()
+    assert plain["response"] == "".join(line["response"] for line in lines) and plain["done"]
+    assert httpx2.get(server.url + "/api/tags").json()["models"][0]["name"] == model

@@ -1,6 +1,7 @@
 """The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions) and
 `/v1/chat/completions` (plugins.serve.chat),
-TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), vLLM's `/tokenize`, `/detokenize` and
+TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), Ollama's `/api/generate` and
+`/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize` and
 `/tokenizer_info`, `/v1/models`, `/health`, Prometheus `/metrics`.
 """
 
@@ -17,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from plugins.serve import tgi, tokens
+from plugins.serve import ollama, tgi, tokens
 from plugins.serve.api import RequestError
 from plugins.serve.chat import create_chat_completion
 from plugins.serve.completions import create_completion
@@ -103,8 +104,13 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     route("/v1/chat/completions", create_chat_completion)
     route("/generate", tgi.generate)
     route("/generate_stream", tgi.generate_stream)
+    route("/api/generate", ollama.generate)
     route("/tokenize", tokens.tokenize)
     route("/detokenize", tokens.detokenize)
+
+    @app.get("/api/tags")
+    async def ollama_tags():
+        return ollama.tags(served)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
