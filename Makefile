@@ -1,5 +1,6 @@
 # Two commands: `make compare` (the main job) and `make test`. Both set up .venv first.
 # `make peers` (opt-in) builds llama.cpp for the llama.cpp peer backend (scripts/build_llamacpp.sh).
+# `make clients` (opt-in) installs third-party clients the server tests run (lm-evaluation-harness).
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test compare bench-hf peers clean
+.PHONY: setup test compare bench-hf peers clients clean
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -35,6 +36,12 @@ compare: setup
 # Idempotent: the script returns at once when its build is there.
 peers: setup
 	PY=$(CURDIR)/$(PY) scripts/build_llamacpp.sh
+
+clients: $(VENV)/.clients-done
+
+$(VENV)/.clients-done: requirements-clients.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-clients.txt
+	@touch $@
 
 clean:
 	rm -rf $(VENV) .cache results checkpoints

@@ -136,7 +136,8 @@ def _convert(src: Path, dst: Path, src_format, dst_format, tp_size, pp_size, kv_
     try:
         with atomic_dir(dst, force=force, sources=[src]) as tmp:
             _stage(progress, f"write {dst_format}")
-            _call(writer.write, config, hub, tmp, tp_size=tp_size, progress=progress, **write_kwargs)
+            source = {"source": src} if _takes(writer.write, "source") else {}  # its tokenizer travels along
+            _call(writer.write, config, hub, tmp, tp_size=tp_size, progress=progress, **write_kwargs, **source)
             _stage(progress, "verify")
             config2, hub2 = _call(writer.read, tmp, progress=progress)
             verify(config, hub, config2, hub2)

@@ -1,7 +1,11 @@
-"""HF format: a directory with `config.json` + `model.safetensors` that `from_pretrained` loads."""
+"""HF format: a directory with `config.json` + `model.safetensors` that `from_pretrained` loads, written
+complete (plugins.core.hf_files): an HF source's tokenizer and generation files travel with the weights;
+from a Megatron source, the project's tokenizer (what such a directory was served with before) when it fits
+the vocabulary."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -10,6 +14,11 @@ from transformers import GPTBigCodeConfig
 from converters.mapping import ConversionError, check_hf_state
 from plugins.core.checkpoint import WEIGHTS_NAME, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError, kv_heads
+from plugins.core.hf_files import ARCHITECTURES, write_generation_config, write_tokenizer_files
+
+# what transformers' tokenizers and generate() read from a model directory
+CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+           "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
@@ -37,10 +46,21 @@ def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
                               f"not {groups} KV heads; write GQA to a Megatron format instead")
 
 
-def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: int = 1, progress=None) -> None:
+def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: int = 1, progress=None,
+          source: str | Path | None = None) -> None:
+    """`source`: the checkpoint converted, whose tokenizer files (if any) are copied."""
     check_writable(config, tp_size)
     check_hf_state(hf_state, config)
     dst = Path(dst)
+    for name in CARRIED:
+        if source is not None and (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, dst / name)
+    try:
+        write_tokenizer_files(dst, config)
+    except ValueError:  # a vocabulary the project's tokenizer does not fit (a Megatron source's own): none is guessed
+        pass
+    write_generation_config(dst, config)
+    config.architectures = list(ARCHITECTURES)
     config.save_pretrained(dst)
     state = {k: v.contiguous() for k, v in hf_state.items()}
     save_file(state, dst / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -1,4 +1,5 @@
-"""Seeded HF checkpoints (plugins.core.checkpoint): deterministic weights, bit-exact save and load."""
+"""Seeded HF checkpoints (plugins.core.checkpoint): deterministic weights, bit-exact save and load, and
+complete HF directories (plugins.core.hf_files) that transformers' Auto classes load as they are."""
 
 import json
 
@@ -30,7 +31,8 @@ def test_save_load_round_trip_is_bit_exact_and_loads_in_hf(tmp_path):
     model = init_model(cfg, seed=1)
     create_checkpoint(cfg, tmp_path / "m", seed=1)
     files = sorted(p.name for p in (tmp_path / "m").iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "gpt_bigcode"
     ours = load_hf_model(tmp_path / "m")
     theirs = GPTBigCodeForCausalLM.from_pretrained(tmp_path / "m")
@@ -164,3 +166,88 @@ def test_not_enough_memory_is_refused_before_allocating(ckpt_factory, monkeypatc
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
     with pytest.raises(ConfigError, match=r"the model needs .* GiB in float32, 0.0 GiB of memory is available"):
         load_hf_model(ckpt_factory("tiny"))
+
+
+# --- complete HF directories: tokenizer and generation files beside the weights ------------------
+
+CODE = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+FIM = ["<fim-prefix>", "<fim-middle>", "<fim-suffix>", "<fim-pad>"]
+
+
+def test_checkpoint_loads_in_transformers_auto_classes(ckpt_factory, tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from plugins.engine.registry import load_backend
+
+    d = ckpt_factory("tiny")
+    tok = AutoTokenizer.from_pretrained(d)
+    ids = tok(CODE).input_ids
+    assert ids == tokenizer.encode(CODE).ids and tok.decode(ids) == CODE
+    assert tok.eos_token_id == tok.bos_token_id == 0 and tok.model_max_length == 256
+    assert [tok(t).input_ids for t in FIM] == [[1], [2], [3], [4]]  # each one id, never split
+    assert "chat_template" not in json.loads((d / "tokenizer_config.json").read_text())
+    assert GenerationConfig.from_pretrained(d).eos_token_id == 0
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(input_ids=x).logits
+    ours = load_backend("hf", d, dtype="float32").logits(x, torch.ones_like(x))
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_chat_template_and_the_model_s_own_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from plugins.core.tokenizer import tokenizer_file
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    create_checkpoint(load_model_config("tiny"), tmp_path / "chat", chat_template=template)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "chat")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<|user|>hi<|endoftext|><|assistant|>"
+    cfg = load_model_config("code-mqa")  # built for code-8k: 8192 rows
+    create_checkpoint(cfg, tmp_path / "8k", tokenizer="code-8k")
+    assert (tmp_path / "8k" / "tokenizer.json").read_bytes() == tokenizer_file("code-8k").read_bytes()
+    with pytest.raises(ValueError, match="49152 tokens but the model's vocab_size is 8192"):
+        create_checkpoint(cfg, tmp_path / "bad")  # the project's default does not fit: nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["8k", "chat"]
+
+
+def test_older_directories_still_stage_for_the_peers_and_are_remade(ckpt_factory, tmp_path):
+    import shutil
+
+    from plugins.core.checkpoint import ensure_checkpoint
+    from plugins.core.hf_files import COMPANIONS, is_complete
+    from plugins.peers import staged_checkpoint
+
+    new = ckpt_factory("tiny")
+    with staged_checkpoint(new, tmp_path) as staged:
+        assert staged == new  # complete: read where it is
+    old = tmp_path / "old"  # what a checkpoint was before: config.json (no architectures) + weights
+    old.mkdir()
+    shutil.copyfile(new / "model.safetensors", old / "model.safetensors")
+    cfg = json.loads((new / "config.json").read_text())
+    del cfg["architectures"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "work").mkdir()
+    with staged_checkpoint(old, tmp_path / "work") as staged:
+        assert is_complete(staged)
+        assert all((staged / f).read_bytes() == (new / f).read_bytes() for f in COMPANIONS)
+    assert not (tmp_path / "work" / "hf").exists() and not is_complete(old)
+    ensure_checkpoint(load_model_config("tiny"), old)
+    assert is_complete(old)
+
+
+def test_conversions_to_hf_carry_the_tokenizer(tmp_path):
+    from converters import convert
+    from plugins.core.hf_files import COMPANIONS, is_complete
+
+    create_checkpoint(load_model_config("tiny"), tmp_path / "src", chat_template="{{ messages[0]['content'] }}")
+    convert(tmp_path / "src", tmp_path / "hf", "hf", "hf", dtype="bfloat16")
+    convert(tmp_path / "src", tmp_path / "legacy", "hf", "megatron-legacy")
+    convert(tmp_path / "legacy", tmp_path / "back", "megatron-legacy", "hf")
+    for d in ("hf", "back"):
+        assert is_complete(tmp_path / d), d
+    assert all((tmp_path / "hf" / f).read_bytes() == (tmp_path / "src" / f).read_bytes() for f in COMPANIONS)
+    # from Megatron (no tokenizer there) the project's, as a directory without one was served before
+    assert "chat_template" not in json.loads((tmp_path / "back" / "tokenizer_config.json").read_text())

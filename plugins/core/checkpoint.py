@@ -1,4 +1,5 @@
-"""Seeded checkpoints from configs, written and read as HF directories (config.json + safetensors).
+"""Seeded checkpoints from configs, written and read as HF directories (config.json + safetensors,
+with the tokenizer and generation files of plugins.core.hf_files).
 
 HF's default init runs every module's `_init_weights` on a fully materialised model (~10 s for
 1.1B parameters here). We build the module on the meta device, allocate it once with `to_empty`,
@@ -24,6 +25,7 @@ from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
 from plugins.core.atomic import atomic_dir
 from plugins.core.config import ConfigError, check_hf_config, hf_shapes
+from plugins.core.hf_files import is_complete, write_companions
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 WEIGHTS_NAME = "model.safetensors"
@@ -71,32 +73,41 @@ def init_model(config: GPTBigCodeConfig, seed: int = 0, dtype: torch.dtype = tor
     return model
 
 
-def save_hf_dir(model: GPTBigCodeForCausalLM, dst: str | Path, force: bool = False) -> Path:
-    """Write `config.json` + `model.safetensors` that `from_pretrained` loads."""
+def save_hf_dir(model: GPTBigCodeForCausalLM, dst: str | Path, force: bool = False,
+                tokenizer: str | Path | None = None, chat_template: str | None = None) -> Path:
+    """Write a complete HF directory (`write_hf_files`) that `from_pretrained` loads, atomically."""
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
-        write_hf_files(model, tmp)
+        write_hf_files(model, tmp, tokenizer=tokenizer, chat_template=chat_template)
     return dst
 
 
-def write_hf_files(model: GPTBigCodeForCausalLM, directory: Path) -> None:
-    """`config.json` + `model.safetensors` into an existing directory (callers publish it atomically)."""
+def write_hf_files(model: GPTBigCodeForCausalLM, directory: Path, tokenizer: str | Path | None = None,
+                   chat_template: str | None = None) -> None:
+    """`config.json` + `model.safetensors` + the tokenizer and generation files (plugins.core.hf_files)
+    into an existing directory (callers publish it atomically). `tokenizer`: a name in
+    plugins.core.tokenizer.TOKENIZERS or a tokenizer.json path, default the project's."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    model.config.architectures = [type(model).__name__]  # what model.save_pretrained records too
+    write_companions(directory, model.config, tokenizer, chat_template)  # first: a vocab mismatch writes nothing
     model.config.save_pretrained(directory)
     save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})
 
 
 def create_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0, dtype=torch.float32,
-                      force: bool = False) -> Path:
-    return save_hf_dir(init_model(config, seed=seed, dtype=dtype), dst, force=force)
+                      force: bool = False, tokenizer: str | Path | None = None,
+                      chat_template: str | None = None) -> Path:
+    return save_hf_dir(init_model(config, seed=seed, dtype=dtype), dst, force=force, tokenizer=tokenizer,
+                       chat_template=chat_template)
 
 
 def ensure_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0) -> Path:
-    """Reuse `dst` if it holds this config (same architecture), else (re)create it."""
+    """Reuse `dst` if it holds this config (same architecture), else (re)create it. A directory written
+    before checkpoints carried their tokenizer is made again (the same seeded weights)."""
     dst = Path(dst)
-    if (dst / WEIGHTS_NAME).is_file() and (dst / "config.json").is_file():
+    if (dst / WEIGHTS_NAME).is_file() and is_complete(dst):
         try:
             saved = json.loads((dst / "config.json").read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):

@@ -12,9 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from plugins.core.tokenizer import TOKENIZER_FILE
-
-EOS = "<|endoftext|>"
+from plugins.core.checkpoint import read_hf_config
+from plugins.core.hf_files import ARCHITECTURES, is_complete, write_companions
 
 
 def in_own_process(cls, hf_dir, dtype, options: dict):
@@ -34,24 +33,24 @@ def in_own_process(cls, hf_dir, dtype, options: dict):
 
 @contextlib.contextmanager
 def staged_checkpoint(hf_dir: Path, tmp: Path):
-    """Our checkpoint as other projects' HF converters read it, in `tmp / "hf"` (removed afterwards):
-    its files symlinked, plus what they read and our checkpoints do not write: config.json's
-    `architectures` (their model class), tokenizer.json (their vocabulary, through AutoTokenizer) and
-    named special tokens (else bos / eos are written as null)."""
+    """Our checkpoint as other projects' HF converters read it. A complete one (plugins.core.hf_files:
+    every checkpoint written now) is read where it is; one written before checkpoints carried their
+    tokenizer is staged in `tmp / "hf"` (removed afterwards): its files symlinked, config.json with
+    `architectures` (their model class) and the tokenizer and generation files it lacks."""
+    hf_dir = Path(hf_dir)
+    if is_complete(hf_dir):
+        yield hf_dir
+        return
     staged = tmp / "hf"
     staged.mkdir()
     try:
-        for f in Path(hf_dir).iterdir():
+        for f in hf_dir.iterdir():
             if f.is_file() and f.name != "config.json":
                 os.symlink(f.resolve(), staged / f.name)
-        config = json.loads((Path(hf_dir) / "config.json").read_text())
-        config.setdefault("architectures", ["GPTBigCodeForCausalLM"])
+        config = json.loads((hf_dir / "config.json").read_text())
+        config.setdefault("architectures", ARCHITECTURES)
         (staged / "config.json").write_text(json.dumps(config))
-        if not (staged / "tokenizer.json").exists():
-            os.symlink(TOKENIZER_FILE, staged / "tokenizer.json")
-        if not (staged / "tokenizer_config.json").exists():
-            (staged / "tokenizer_config.json").write_text(json.dumps(
-                {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}))
+        write_companions(staged, read_hf_config(hf_dir))
         yield staged
     finally:
         for f in staged.iterdir():

@@ -2,9 +2,9 @@
 
 The model starts from the project's seeded init (plugins.core.checkpoint.init_model), trains with
 AdamW (linear warmup, cosine decay) on windows of the stdlib train split, and is written as an HF
-directory (config.json + model.safetensors, like the seeded checkpoints) plus `train_log.json`,
-`loss.png` and the `tokenizer.json` it was trained with (what `checkpoint_tokenizer` finds),
-atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG, data position,
+directory (complete, like the seeded checkpoints: plugins.core.checkpoint.write_hf_files, whose
+`tokenizer.json` is the one it was trained with, what `checkpoint_tokenizer` finds) plus
+`train_log.json` and `loss.png`, atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG, data position,
 step, log) goes to `state_dir`; a run started with that state continues it and ends with
 the same weights as an uninterrupted run (same machine, same thread count).
 """
@@ -128,7 +128,8 @@ def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None
             log["heldout"].append([step, heldout_loss(model, spec, tok)])
             log["train_seconds"] += time.perf_counter() - t
             t = time.perf_counter()
-            save_state(state_dir, model, optimizer, {"step": step, "data": batches.position(), "log": log})
+            save_state(state_dir, model, optimizer, {"step": step, "data": batches.position(), "log": log},
+                       tokenizer=tokenizer)
             if stop_at is not None and step >= stop_at:
                 bar.close()
                 return None
@@ -141,9 +142,8 @@ def train(config, spec: TrainSpec, dst: str | Path, state_dir: str | Path | None
                heldout_loss=log["heldout"][-1][1], heldout_files=len(data.split_files()[1]))
     model.eval()
     with atomic_dir(dst, force=force) as tmp:
-        write_hf_files(model, tmp)
+        write_hf_files(model, tmp, tokenizer=tokenizer)  # its tokenizer.json: what the data was cut with
         (tmp / LOG_FILE).write_text(json.dumps(log, indent=1))
         plot_loss(log, tmp / PLOT_FILE)
-        shutil.copyfile(tokenizer_file(tokenizer), tmp / TOKENIZER_NAME)
     shutil.rmtree(state_dir, ignore_errors=True)
     return log

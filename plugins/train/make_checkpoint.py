@@ -7,6 +7,7 @@ minutes, reused when DST already holds that run); `--seeded` gives its shape wit
   mqa-make-checkpoint tiny /tmp/tiny --seed 3 --dtype bfloat16 --force
   mqa-make-checkpoint santacoder-1b /tmp/sc --compare-hf-init   # also time HF's init
   mqa-make-checkpoint code-mqa checkpoints/code-mqa-trained       # trains it (~10 min, once)
+  mqa-make-checkpoint tiny /tmp/tiny-chat --chat-template chat.jinja  # for apply_chat_template
 """
 
 import argparse
@@ -24,23 +25,32 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="overwrite an existing DST")
     ap.add_argument("--compare-hf-init", action="store_true", help="also time GPTBigCodeForCausalLM(config)")
     ap.add_argument("--seeded", action="store_true", help="seeded weights even for a config with a train section")
+    ap.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="a Jinja chat template, written into tokenizer_config.json (seeded checkpoints)")
     args = ap.parse_args(argv)
 
     from plugins.core.console import quiet_upstream
 
     quiet_upstream()
     from plugins.core.checkpoint import init_model, load_hf_model, save_hf_dir
-    from plugins.core.config import ConfigError, load_model_config, load_train_spec
+    from plugins.core.config import ConfigError, load_model_config, load_tokenizer_name, load_train_spec
     from plugins.core.tensors import resolve_dtype
 
     try:
         config = load_model_config(args.model)
         trained = load_train_spec(args.model) is not None and not args.seeded
+        tokenizer = load_tokenizer_name(args.model)
         dtype = resolve_dtype(args.dtype, "cpu")
     except ConfigError as e:
         ap.error(str(e))
     if args.dst.exists() and not args.force:
         ap.error(f"{args.dst} already exists (use --force)")
+    if trained and args.chat_template:
+        ap.error("--chat-template is for seeded checkpoints (a trained one is reused as trained); add --seeded")
+    try:
+        chat_template = args.chat_template.read_text() if args.chat_template else None
+    except (OSError, UnicodeDecodeError) as e:
+        ap.error(f"--chat-template: cannot read {args.chat_template}: {e}")
     if trained:
         from plugins.train import ensure_trained
 
@@ -53,7 +63,7 @@ def main(argv=None) -> int:
     t_init = time.perf_counter() - t
     n_params = sum(p.numel() for p in model.parameters())
     t = time.perf_counter()
-    save_hf_dir(model, args.dst, force=args.force)
+    save_hf_dir(model, args.dst, force=args.force, tokenizer=tokenizer, chat_template=chat_template)
     t_save = time.perf_counter() - t
     del model
     t = time.perf_counter()

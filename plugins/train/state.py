@@ -1,6 +1,6 @@
 """A resumable training state on disk, with no pickle: tensors in safetensors, everything else in JSON.
 
-  config.json + model.safetensors   the weights, as an HF directory (loadable as is)
+  config.json + model.safetensors   the weights, as an HF directory (loadable as is, with its tokenizer)
   optimizer.safetensors             AdamW's per-parameter tensors (step, exp_avg, exp_avg_sq) and the RNG
   trainer_state.json                step, data position, optimizer param groups, the loss log, the spec
 
@@ -22,7 +22,9 @@ from plugins.core.checkpoint import WEIGHTS_NAME, write_hf_files
 OPTIMIZER_FILE, TRAINER_FILE = "optimizer.safetensors", "trainer_state.json"
 
 
-def save_state(state_dir: Path, model, optimizer: torch.optim.Optimizer, trainer: dict) -> None:
+def save_state(state_dir: Path, model, optimizer: torch.optim.Optimizer, trainer: dict,
+               tokenizer: str | None = None) -> None:
+    """`tokenizer`: the name of the run's tokenizer, written beside the weights (plugins.core.checkpoint)."""
     sd = optimizer.state_dict()
     tensors = {"rng.torch": torch.get_rng_state()}
     scalars = {}
@@ -34,7 +36,7 @@ def save_state(state_dir: Path, model, optimizer: torch.optim.Optimizer, trainer
                 scalars[f"{pid}.{key}"] = value
     groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
     with atomic_dir(state_dir, force=True) as tmp:
-        write_hf_files(model, tmp)
+        write_hf_files(model, tmp, tokenizer=tokenizer)
         save_file(tensors, tmp / OPTIMIZER_FILE)
         (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "param_groups": groups, "scalars": scalars}))
 
