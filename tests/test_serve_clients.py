@@ -233,6 +233,7 @@ def test_tgi_generate_stream_and_details(server, engine, tokenizer):
     events = [json.loads(e) for e in post_stream(server, "/generate_stream",
                                                  {"inputs": prompt, "parameters": {"max_new_tokens": 7}})]
     assert [e["token"]["id"] for e in events] == [t["id"] for t in details["tokens"]]
+    assert [e["token"]["logprob"] for e in events] == pytest.approx([t["logprob"] for t in details["tokens"]], abs=1e-6)
     assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == text_of(tokenizer, new)
     assert events[-1]["details"]["finish_reason"] in ("length", "eos_token")
     assert all(e["generated_text"] is None for e in events[:-1])

@@ -25,7 +25,7 @@ from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
 from plugins.core.atomic import atomic_dir
 from plugins.core.config import ConfigError, check_hf_config, hf_shapes
-from plugins.core.hf_files import is_complete, write_companions
+from plugins.core.hf_files import ARCHITECTURES, is_complete, write_companions
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 WEIGHTS_NAME = "model.safetensors"
@@ -90,7 +90,7 @@ def write_hf_files(model: GPTBigCodeForCausalLM, directory: Path, tokenizer: str
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    model.config.architectures = [type(model).__name__]  # what model.save_pretrained records too
+    model.config.architectures = list(ARCHITECTURES)  # what model.save_pretrained records too
     write_companions(directory, model.config, tokenizer, chat_template)  # first: a vocab mismatch writes nothing
     model.config.save_pretrained(directory)
     save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -76,6 +76,9 @@ class LogitRules:
             raise ConfigError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
         self.repetition, self.presence, self.frequency = float(repetition_penalty), presence_penalty, frequency_penalty
         self.bias = dict(logit_bias or {})
+        # built once, not per decode step
+        self._bias_ids = torch.tensor(list(self.bias), dtype=torch.long)
+        self._bias_values = torch.tensor(list(self.bias.values()), dtype=torch.float32)
         self.min_new_tokens, self.stop_ids = min_new_tokens, sorted(set(stop_ids))
 
     @property
@@ -90,8 +93,7 @@ class LogitRules:
         if len(output) < self.min_new_tokens and self.stop_ids:
             row[self.stop_ids] = float("-inf")
         if self.bias:
-            ids = torch.tensor(list(self.bias), dtype=torch.long)
-            row[ids] += torch.tensor(list(self.bias.values()), dtype=row.dtype)
+            row[self._bias_ids] += self._bias_values
         if self.repetition != 1.0:
             seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
             score = row[seen]

@@ -51,8 +51,9 @@ def _finish(event) -> str:
     return "stop_sequence" if event.stopped_by_text else "eos_token"
 
 
-async def _start(served: Served, body: bytes, arrived: float):
+async def _start(served: Served, body: bytes, arrived: float, stream: bool = False):
     req = validated(GenerateRequest, body, ("inputs",))
+    stream = stream or req.stream
     p = req.parameters
     if p.watermark:
         raise RequestError("`parameters.watermark` is not supported by this server", "parameters.watermark")
@@ -69,7 +70,9 @@ async def _start(served: Served, body: bytes, arrived: float):
         prompt=prompt, max_new_tokens=max_new, do_sample=sample, temperature=temperature if sample else 1.0,
         top_k=p.top_k or 0, top_p=float(p.top_p or 1.0), seed=seed, eos_token_id=served.eos,
         repetition_penalty=float(p.repetition_penalty or 1.0), frequency_penalty=float(p.frequency_penalty or 0.0),
-        logprobs=p.top_n_tokens or 0, prompt_logprobs=0 if p.decoder_input_details else None)
+        # token logprobs only where the answer carries them (else plain greedy rows stay one batch argmax)
+        logprobs=p.top_n_tokens or 0 if stream or p.details or p.top_n_tokens else None,
+        prompt_logprobs=0 if p.decoder_input_details else None)
     return req, params, served.start([params], p.stop, arrived)[0]
 
 
@@ -114,7 +117,7 @@ async def generate(served: Served, http, body: bytes, arrived: float):
 
 
 async def generate_stream(served: Served, http, body: bytes, arrived: float):
-    req, params, gen = await _start(served, body, arrived)
+    req, params, gen = await _start(served, body, arrived, stream=True)
     return _stream(served, req, params, gen)
 
 
