@@ -26,19 +26,24 @@ def requests(tokenizer, eos=None):
     return out
 
 
-def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None):
-    """Drive open_batch / step as the server does: FIFO admission while slots are free."""
-    batch = open_batch(backend, slots, capacity)
+def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=None, prefix_cache_bytes=0,
+        steps=None):
+    """Drive open_batch / step as the server does: FIFO admission while slots are free. `steps`: a list
+    that gets (rows decoding before the step, prompt tokens computed in it) per step."""
+    batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens=budget)
     state = batch.state()
     waiting, running, out, finished = list(schedule), set(), {}, {}
     step = 0
     while waiting or running:
+        decoding = batch.state()["running"]
         admit = []
         while waiting and waiting[0][0] <= step and len(running) + len(admit) < slots:
             admit.append(waiting.pop(0)[1])
         release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
         running.difference_update(release)
         result = batch.step(admit, release)
+        if steps is not None:
+            steps.append((decoding, result["chunk_tokens"]))
         running.update(r.id for r in admit)
         for rid, tokens in result["tokens"].items():
             out.setdefault(rid, []).extend(tokens)
@@ -70,6 +75,26 @@ def test_overlapping_requests_match_generate_alone(tiny_dir, tokenizer, name, op
     config = backend.config
     kv_heads = 1 if config.multi_query else config.n_head
     assert state["kv_pool_bytes"] == config.n_layer * 2 * SLOTS * CAPACITY * kv_heads * (config.n_embd // config.n_head) * 4
+
+
+@pytest.mark.parametrize("name", ["hf", "deepspeed", "megatron"])
+def test_chunked_prefill_matches_generate_alone(tiny_dir, tokenizer, name):
+    """A token budget of 12 per step: prompts of up to 40 tokens spread over several steps while the
+    running rows decode, short ones share a step; a prefix-cache hit (a prompt that starts with an
+    earlier one) ends inside a chunk. Every request's tokens equal `generate` alone."""
+    backend = load_backend(name, tiny_dir, dtype="float32")
+    schedule = requests(tokenizer)
+    head = schedule[6][1].prompt  # 40 tokens: the next prompt reuses its first 32 (two cache blocks)
+    schedule.append((13, BatchRequest(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_new_tokens=7)))
+    steps = []
+    _, out, finished = run(backend, schedule, budget=12, prefix_cache_bytes=1 << 20, steps=steps)
+    for _, request in schedule:
+        assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
+    # the budget holds: decode rows + prompt tokens <= 12 (a step with more running rows still computes one)
+    assert all(chunk <= max(12 - rows, 1) for rows, chunk in steps), steps
+    assert sum(chunk for _, chunk in steps) == sum(len(r.prompt) for _, r in schedule) - 32  # the hit's 32 reused
+    # the 40-token prompt took several steps, during which the running rows kept decoding
+    assert sum(1 for rows, chunk in steps if chunk and rows) >= 4
 
 
 def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenizer):
@@ -112,8 +137,9 @@ def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, 
     schedule = requests(tokenizer)[:6]
     with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
         _, out, _ = run(backend, schedule)
+        _, chunked, _ = run(backend, schedule, budget=8)  # prompts in chunks of <= 8 tokens on every rank
         for _, request in schedule:
-            assert out[request.id] == alone(backend, request)
+            assert out[request.id] == chunked[request.id] == alone(backend, request)
         # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards
         prompt = prompt_token_ids(tokenizer, 11, 30)
         request = BatchRequest(id=1, prompt=prompt, max_new_tokens=6, repetition_penalty=1.5, logprobs=3,

@@ -262,6 +262,8 @@ def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, to
     (["--backend", "ctranslate2"], "backend 'ctranslate2' has no continuous batching"),
     (["--backend", "vllm"], "unknown backend 'vllm'"),
     (["--kv-budget", "1KB"], "holds no slot"),
+    (["--backend", "hf", "--quantize", "int8"], "unknown option(s) quantize for backend 'hf'"),
+    (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens must be >= 0"),
 ])
 def test_a_server_that_cannot_serve_is_refused_before_loading(argv, message, ckpt, capsys):
     """mqa-serve's own checks: exit 2 with one line naming the problem, no engine loaded."""

@@ -27,22 +27,18 @@ from pathlib import Path
 import httpx2
 
 from plugins.bench.load import ServerProcess, http_client, served_model
-from plugins.core.config import byte_size
+from plugins.serving.args import add_engine_args
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint_dir", type=Path)
-    ap.add_argument("--backend", default="deepspeed")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tp", type=int, default=1)
+    add_engine_args(ap, "server KV pool per rank (default 1GB)")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--passk-prompts", type=int, default=20)
     ap.add_argument("--passk-n", type=int, default=20)
     ap.add_argument("--passk-max-tokens", type=int, default=64)
-    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     for name in ("tp", "n", "prompt_len", "max_tokens", "passk_prompts", "passk_n", "passk_max_tokens"):

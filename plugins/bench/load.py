@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx2
 
 from plugins.dist.launcher import free_port
+from plugins.serving.args import serve_flags
 
 READY_TIMEOUT_S = 900.0  # a first start may build the CPU kernels (minutes)
 STOP_TIMEOUT_S = 60.0
@@ -79,7 +80,7 @@ class ServerProcess:
                "--max-batch", str(args.max_batch or args.streams),
                # off by default: phases repeat prompts, and reuse would flatter the server (bench_prefix
                # measures reuse)
-               "--prefix-cache", str(prefix_cache)]
+               "--prefix-cache", str(prefix_cache), *serve_flags(args)]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 

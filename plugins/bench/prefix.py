@@ -30,14 +30,12 @@ import httpx2
 
 from plugins.bench.load import Req, ServerProcess, http_client, percentile, served_model, stream_one
 from plugins.core.config import byte_size
+from plugins.serving.args import add_engine_args
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
-    ap.add_argument("--backend", default="deepspeed")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tp", type=int, default=1)
+    add_engine_args(ap, "server KV pool per rank (default 1GB)")
     ap.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared context / the file")
     ap.add_argument("--tail-len", type=int, default=32, help="tokens of each new question")
     ap.add_argument("--requests", type=int, default=8, help="questions after the first (shared prefix)")
@@ -45,7 +43,6 @@ def parse_args(argv=None):
     ap.add_argument("--editor-growth", type=int, default=4, help="tokens the file grows by per edit")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     ap.add_argument("--prefix-cache", type=byte_size, default=byte_size("512MB"), help="cache size when on")
-    ap.add_argument("--kv-budget", type=byte_size, default=byte_size("256MB"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     for name in ("tp", "prefix_len", "tail_len", "requests", "editor_steps", "editor_growth", "max_tokens",

@@ -41,7 +41,7 @@ from pathlib import Path
 
 
 from plugins.bench.serving_report import ratios, summary, write_markdown, write_plot
-from plugins.serving.args import add_engine_args
+from plugins.serving.args import add_engine_args, engine_options
 from plugins.bench.load import (Req, ServerProcess, closed_loop, make_requests, open_loop, percentile, server_counters,
                                 server_health, served_model)
 
@@ -82,7 +82,8 @@ def run_static(args, mixed: list[Req], decode: list[Req]) -> dict:
     from plugins.engine.registry import load_backend
 
     announce(f"static: loading {args.checkpoint_dir} in process on {args.backend} ({args.dtype}, tp {args.tp})")
-    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp)
+    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
+                           **engine_options(args))
     try:
         ids, mask = left_pad([r.prompt_ids for r in decode[:2]])
         backend.generate(ids, mask, 2)  # warm-up: first-call allocations and kernel choices

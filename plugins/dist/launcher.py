@@ -223,9 +223,10 @@ class RemoteBackend:
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         return self.call("linear_paths", batch, prompt_len)
 
-    def open_batch(self, slots: int, capacity: int, prefix_cache_bytes: int = 0) -> "RemoteBatch":
+    def open_batch(self, slots: int, capacity: int, prefix_cache_bytes: int = 0,
+                   max_batched_tokens: int | None = None) -> "RemoteBatch":
         """A continuous batch on every rank (each holds its share of the KV pool); rank 0 answers."""
-        self.call("__open_batch__", slots, capacity, prefix_cache_bytes)
+        self.call("__open_batch__", slots, capacity, prefix_cache_bytes, max_batched_tokens)
         return RemoteBatch(self)
 
     def logits(self, input_ids, attention_mask):

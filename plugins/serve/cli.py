@@ -24,7 +24,7 @@ import threading
 import time
 
 from plugins.core.config import byte_size
-from plugins.serving.args import add_engine_args
+from plugins.serving.args import add_engine_args, engine_options, max_batched_tokens
 
 ENGINE_FAILED_LINGER_S = 2.0
 
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
         check_batchable(backend_class(args.backend))
         dtype = resolve_dtype(args.dtype)
         check_tp(config, args.tp)
+        backend_class(args.backend).check_options(config, args.tp, **engine_options(args))
     except (ConfigError, OSError, ValueError) as e:
         ap.error(str(e))
     capacity = args.max_model_len or config.n_positions
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
         ap.error(f"--kv-budget {args.kv_budget} bytes holds no slot: one sequence of {capacity} tokens needs "
                  f"{per_slot} bytes per rank (raise --kv-budget or lower --max-model-len)")
     slots = min(slots, args.max_batch)
+    if args.max_num_batched_tokens < 0:
+        ap.error(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
     for flag in ("graceful_timeout", "read_timeout", "keep_alive_timeout"):
@@ -112,13 +115,17 @@ def main(argv=None) -> int:
         chat = ChatTemplate.of_checkpoint(args.checkpoint_dir, tokenizer)
     except ValueError as e:  # its ids do not fit the model; its tokenizer_config.json is not JSON
         ap.error(str(e))
-    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}); "
+    chunk = args.max_num_batched_tokens or "off"
+    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
+             f"{', ' + args.quantize if args.quantize else ''}); chunked prefill {chunk}; "
              f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
              f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
              f"tokenizer {tok_path}")
-    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp)
+    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
+                           **engine_options(args))
     try:
-        scheduler = Scheduler(backend, slots, capacity, args.max_waiting, args.prefix_cache)
+        scheduler = Scheduler(backend, slots, capacity, args.max_waiting, args.prefix_cache,
+                              max_batched_tokens(args))
     except BaseException:
         backend.close()
         raise

@@ -1,4 +1,4 @@
-"""The command-line options that name a served engine, shared by `mqa-serve` and the serving benchmark."""
+"""The command-line options that name a served engine, shared by `mqa-serve` and the serving benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ from pathlib import Path
 from plugins.core.config import byte_size
 from plugins.engine.registry import BACKENDS
 
+# Prompt tokens + decode rows per engine step: measured on SantaCoder-1B, 8 streams and 1024-token
+# prompts arriving (docs/results/2026-12-02-chunked-prefill.md).
+DEFAULT_MAX_BATCHED_TOKENS = 128
+
 
 def add_engine_args(ap, kv_budget_help: str) -> None:
     ap.add_argument("checkpoint_dir", type=Path, help="an HF gpt_bigcode checkpoint directory")
@@ -14,3 +18,24 @@ def add_engine_args(ap, kv_budget_help: str) -> None:
     ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (CPU); float16 on CUDA")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (worker processes)")
     ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"), help=kv_budget_help)
+    ap.add_argument("--quantize", choices=("int8", "int4"),
+                    help="weight-only int8 / int4 layer linears (deepspeed backend, TP 1; int4 on CPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+                    help="tokens per engine step, decode rows included: longer prompts are prefilled in chunks "
+                         f"over several steps so running streams keep decoding (default {DEFAULT_MAX_BATCHED_TOKENS}; "
+                         "0: every prompt whole, in the step it is admitted)")
+
+
+def engine_options(args) -> dict:
+    """The backend options the flags ask for (for load_backend)."""
+    return {"quantize": args.quantize} if args.quantize else {}
+
+
+def max_batched_tokens(args) -> int | None:
+    return args.max_num_batched_tokens or None
+
+
+def serve_flags(args) -> list[str]:
+    """The same engine options as `mqa-serve` flags (for a server started as a subprocess)."""
+    flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags + (["--quantize", args.quantize] if args.quantize else [])

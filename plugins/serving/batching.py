@@ -9,7 +9,14 @@ cache and a [n, t + 1] mask, no per-row lengths, no gathers.
 - Admission: the prompt is prefilled alone (batch 1, its own scratch cache: the numerics of
   `generate` on that request alone), its first token sampled, and its KV copied into row n at
   columns [t - P, t). A prompt longer than `t` shifts the running rows right first. Requests
-  admitted in one step with the same prompt (n choices) share one prefill.
+  admitted with the same prompt (n choices) share one prefill.
+- Chunked prefill: with a token budget (`max_batched_tokens`, vLLM's `max_num_batched_tokens`), a
+  step computes at most budget - (rows decoding) prompt tokens, first come first served: a long
+  prompt spreads over several steps (each chunk attends to the KV of the chunks before it, as a
+  prefix-cache hit does), several short ones share a step, and the running rows decode every step.
+  A request holds its slot from admission; its first token comes with its last chunk. The chunks run
+  as their own forwards before the decode step (our engines attend over a dense cache: one forward
+  of decode rows and prompt chunks together would need variable-length attention).
 - Sampling: each row's own rules (penalties, bias, min tokens: LogitRules) and sampler; a batch of
   plain greedy rows is one argmax.
 - Release: the last active row moves into the freed row, so rows stay packed.
@@ -28,6 +35,8 @@ With MQA a slot of 2048 tokens of SantaCoder-1B is 25 MB, so dense slots cost li
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import time
 
 import torch
 
@@ -109,16 +118,34 @@ class _Row:
         return token
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """A prompt on its way into the pool, chunk by chunk, for the requests that share it."""
+
+    requests: list[BatchRequest]
+    done: int = 0                      # prompt columns computed or taken from the prefix cache
+    kv: list[torch.Tensor] | None = None  # their K and V (pool layout, `done` columns)
+    logits: torch.Tensor | None = None    # of the last computed position
+    started: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.requests[0].prompt
+
+
 class ContinuousBatch:
     """`prefix_cache_bytes` > 0 keeps the KV of prompt prefixes for later prompts that share them
-    (plugins.serving.prefix_cache); 0 turns that off."""
+    (plugins.serving.prefix_cache); 0 turns that off. `max_batched_tokens` (None: no limit) bounds the
+    tokens of one step, decode rows included: prompts beyond it are prefilled in chunks over steps."""
 
     def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0,
-                 score=None):
+                 score=None, max_batched_tokens: int | None = None):
         """`score(input_ids, attention_mask)` -> logits of every position: prompt log-probabilities."""
         if slots < 1 or capacity < 2:
             raise ConfigError(f"a KV pool needs >= 1 slot and >= 2 columns, got {slots} x {capacity}")
         self.decoder, self.slots, self.capacity, self.score = decoder, slots, capacity, score
+        self.max_batched_tokens = max_batched_tokens
+        self.filling: list[_Prefill] = []  # admitted, prompt not all computed yet (FIFO)
         self.prefix = PrefixCache(prefix_cache_bytes, decoder.time_dim) if prefix_cache_bytes > 0 else None
         self.mask = torch.zeros((slots, capacity), dtype=torch.long, device=device)
         self.last = torch.zeros((slots, 1), dtype=torch.long, device=device)
@@ -134,40 +161,66 @@ class ContinuousBatch:
     def check(self, request: BatchRequest) -> None:
         check_request(request, self.capacity)
 
+    @property
+    def held(self) -> int:
+        """Slots taken: running rows and requests whose prompt is being prefilled."""
+        return self.n + sum(len(fill.requests) for fill in self.filling)
+
     @torch.inference_mode()
     def step(self, admit: list[BatchRequest] = (), release: list[int] = ()) -> dict:
-        """Drop `release` (ids), prefill and place `admit`, then one decode step for every active row.
+        """Drop `release` (ids), take `admit`, prefill what the token budget allows (whole prompts
+        without one), place the prompts now complete, then one decode step for every active row.
         Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
         "failed": {id: message}} (requests that raised alone, now released), and where asked
         "logprobs": {id: [(logprob, [(token, logprob) x k]) per new token]}, "prompt_logprobs": {id: the
-        same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the start. Requests admitted together with one prompt share its prefill."""
+        same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the
+        start; this step's "chunk_tokens" (prompt tokens computed), "prefill_s" and "decode_s"."""
         for request in admit:
             self.check(request)
-        if self.n + len(admit) > self.slots:
-            raise ConfigError(f"{self.n + len(admit)} requests for {self.slots} slots")
+        if self.held + len(admit) > self.slots:
+            raise ConfigError(f"{self.held + len(admit)} requests for {self.slots} slots")
         for rid in release:
-            for r, row in enumerate(self.rows):
-                if row.request.id == rid:
-                    self._remove(r)
-                    break
+            self._release(rid)
+        for request in admit:  # n choices of one prompt join one prefill
+            fill = next((f for f in self.filling if f.prompt == request.prompt), None)
+            if fill is None:
+                self.filling.append(_Prefill([request]))
+            else:
+                fill.requests.append(request)
         out: dict[int, list[int]] = {}
         finished: dict[int, str] = {}
         failed: dict[int, str] = {}
         logprobs: dict[int, list] = {}
         prompt_logprobs: dict[int, list] = {}
-        prefilled: dict[tuple, tuple] = {}
-        for request in admit:
-            n = self.n
+        start, chunk_tokens = time.perf_counter(), 0
+        budget = float("inf") if self.max_batched_tokens is None else max(self.max_batched_tokens - self.n, 1)
+        for fill in list(self.filling):
+            if chunk_tokens >= budget:
+                break
             try:
-                self._admit(request, out, finished, logprobs, prompt_logprobs, prefilled)
-            except Exception as exc:  # this request alone (a row is placed only at the end of _admit)
-                del self.rows[n:]
-                for part in (out, finished, logprobs, prompt_logprobs):
-                    part.pop(request.id, None)
-                failed[request.id] = _message(exc)
+                chunk_tokens += self._prefill(fill, budget - chunk_tokens)
+            except Exception as exc:  # these requests alone
+                self.filling.remove(fill)
+                for request in fill.requests:
+                    failed[request.id] = _message(exc)
+                continue
+            if fill.done == len(fill.prompt):
+                self.filling.remove(fill)
+                for request in fill.requests:
+                    n = self.n
+                    try:
+                        self._place(request, fill, out, finished, logprobs, prompt_logprobs)
+                    except Exception as exc:  # this request alone (a row is placed only at the end of _place)
+                        del self.rows[n:]
+                        for part in (out, finished, logprobs, prompt_logprobs):
+                            part.pop(request.id, None)
+                        failed[request.id] = _message(exc)
+        decode_start = time.perf_counter()
         if self.rows:
             self._decode(out, finished, failed, logprobs)
-        result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens}
+        result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens,
+                  "chunk_tokens": chunk_tokens, "prefill_s": decode_start - start,
+                  "decode_s": time.perf_counter() - decode_start}
         if logprobs:
             result["logprobs"] = logprobs
         if prompt_logprobs:
@@ -175,6 +228,30 @@ class ContinuousBatch:
         if self.prefix:
             result["prefix_cache"] = self.prefix.stats()
         return result
+
+    def _release(self, rid: int) -> None:
+        for r, row in enumerate(self.rows):
+            if row.request.id == rid:
+                self._remove(r)
+                return
+        for fill in self.filling:
+            fill.requests = [r for r in fill.requests if r.id != rid]
+        self.filling = [fill for fill in self.filling if fill.requests]
+
+    def _prefill(self, fill: _Prefill, budget: float) -> int:
+        """The next chunk of `fill`'s prompt, at most `budget` tokens; returns the tokens computed."""
+        prompt = fill.prompt
+        if not fill.started:
+            fill.started = True
+            fill.done, fill.kv = self.prefix.lookup(prompt) if self.prefix else (0, None)
+        end = int(min(len(prompt), fill.done + budget))
+        ids = torch.tensor([prompt[:end]], dtype=torch.long, device=self.mask.device)
+        fill.logits, fill.kv = self.decoder.prefill_alone(ids, fill.kv if fill.done else None)
+        computed, fill.done = end - fill.done, end
+        self.prefill_tokens += computed
+        if end == len(prompt) and self.prefix:
+            self.prefix.insert(prompt, fill.kv)
+        return computed
 
     def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
         out.setdefault(row.request.id, []).append(token)
@@ -185,29 +262,20 @@ class ContinuousBatch:
             finished[row.request.id] = "length"
         return row.request.id in finished
 
-    def _admit(self, request: BatchRequest, out: dict, finished: dict, logprobs: dict, prompt_logprobs: dict,
-               prefilled: dict) -> None:
-        p = len(request.prompt)
-        r = request
+    def _place(self, request: BatchRequest, fill: _Prefill, out: dict, finished: dict, logprobs: dict,
+               prompt_logprobs: dict) -> None:
+        """Sample the first token from the complete prompt's logits, then copy its KV into a new row."""
+        p, r = len(request.prompt), request
         row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
-        key = tuple(request.prompt)
-        if key not in prefilled:
-            ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
-            cached, prefix = self.prefix.lookup(request.prompt) if self.prefix else (0, None)
-            prefilled[key] = self.decoder.prefill_alone(ids, prefix)
-            self.prefill_tokens += p - cached
-            if self.prefix:
-                self.prefix.insert(request.prompt, prefilled[key][1])
-        logits, kv = prefilled[key]
         if r.prompt_logprobs is not None:
             prompt_logprobs[r.id] = self._prompt_logprobs(r)
-        token = row.choose(logits, logprobs)
+        token = row.choose(fill.logits, logprobs)
         if self._emit(row, token, out, finished):
             return
         if p > self.t:
             self._shift(p - self.t)  # (n == 0: nothing moves, t becomes p)
         i = self.n
-        for pool, part in zip(self.decoder.pool_tensors(), kv):
+        for pool, part in zip(self.decoder.pool_tensors(), fill.kv):
             self._cols(self._row(pool, i), self.t - p, self.t).copy_(part)
         self.mask[i].zero_()
         self.mask[i, self.t - p:self.t] = 1
@@ -305,7 +373,7 @@ class ContinuousBatch:
         return tensor_bytes(self.decoder.pool_tensors())
 
     def state(self) -> dict:
-        return {"running": self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
+        return {"running": self.n, "prefilling": self.held - self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
                 "kv_pool_bytes": self.kv_pool_bytes(),
                 "prefix_cache": self.prefix.stats() if self.prefix else None}
 
@@ -317,20 +385,24 @@ def check_batchable(cls) -> None:
         raise ConfigError(f"backend {cls.name!r} has no continuous batching")
 
 
-def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_bytes: int = 0):
+def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_bytes: int = 0,
+               max_batched_tokens: int | None = None):
     """A continuous batch of `slots` rows on `backend`, its KV pool allocated now: an object with
     `step(admit, release)` and `state()`. `capacity` (prompt + new tokens per request) defaults to
     n_positions; `prefix_cache_bytes` > 0 keeps prompt prefixes' KV for reuse, up to that many bytes
-    (per rank). A backend whose ranks run elsewhere (plugins.dist) opens the batch on its ranks."""
+    (per rank); `max_batched_tokens` (None: no limit) is the token budget of a step, over which
+    prompts are prefilled in chunks. A backend whose ranks run elsewhere (plugins.dist) opens the
+    batch on its ranks."""
     capacity = backend.config.n_positions if capacity is None else capacity
     for name, value, least in (("slots", slots, 1), ("capacity", capacity, 1),
-                               ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+                               ("prefix_cache_bytes", prefix_cache_bytes, 0),
+                               ("max_batched_tokens", 1 if max_batched_tokens is None else max_batched_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
     if capacity > backend.config.n_positions:
         raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {backend.config.n_positions}")
     remote = getattr(type(backend), "open_batch", None)
     if remote is not None:
-        return remote(backend, slots, capacity, prefix_cache_bytes)
+        return remote(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
     return ContinuousBatch(backend.batch_decoder(slots, capacity), slots, capacity, backend.device,
-                           prefix_cache_bytes, score=backend.logits)
+                           prefix_cache_bytes, score=backend.logits, max_batched_tokens=max_batched_tokens)

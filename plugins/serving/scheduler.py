@@ -1,9 +1,9 @@
 """Iteration-level scheduling: one loop drives the engine one decode step at a time.
 
 Before every step it hands the engine the requests that wait (as many as there are free slots)
-and the ones to drop (finished by a stop string, cancelled, client gone); the engine prefills the
-new ones, places them in the running batch and decodes every row once (`ContinuousBatch.step`, one
-call, also across TP ranks). New tokens go to each request's asyncio queue (the last ones with the finish reason); detokenization and
+and the ones to drop (finished by a stop string, cancelled, client gone); the engine prefills
+prompts within the step's token budget (chunks of long ones), places the complete ones in the
+running batch and decodes every row once (`ContinuousBatch.step`, one call, also across TP ranks). New tokens go to each request's asyncio queue (the last ones with the finish reason); detokenization and
 HTTP happen in the event loop, so this loop never waits on them.
 """
 
@@ -75,6 +75,11 @@ class Metrics:
         self.ttft = Histogram("mqa_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
         self.steps = Counter("mqa_decode_steps", "Engine steps", registry=r)
+        self.step_chunk = Histogram("mqa_step_prefill_tokens", "Prompt tokens computed per engine step "
+                                    "(chunked prefill)", registry=r, buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.step_seconds = Histogram("mqa_step_seconds", "Engine step time by phase (the prompt chunks, then "
+                                      "the decode of every running row)", ["phase"], registry=r,
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.prefix_lookups = Counter("mqa_prefix_cache_lookups", "Prompts looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("mqa_prefix_cache_hits", "Prompts that reused a cached prefix", registry=r)
         self.prefix_reused = Counter("mqa_prefix_cache_reused_tokens", "Prompt tokens not recomputed", registry=r)
@@ -97,8 +102,13 @@ class Metrics:
         self.prefill_tokens.inc(max(total - self._prefill_seen, 0))
         self._prefill_seen = max(total, self._prefill_seen)
 
-    def step(self, now: float, new_tokens: int) -> None:
+    def step(self, now: float, new_tokens: int, result: dict) -> None:
         self.steps.inc()
+        self.step_chunk.observe(result.get("chunk_tokens", 0))
+        if result.get("chunk_tokens"):
+            self.step_seconds.labels("prefill").observe(result["prefill_s"])
+        if "decode_s" in result:
+            self.step_seconds.labels("decode").observe(result["decode_s"])
         self.tokens.inc(new_tokens)
         self._window.append((now, new_tokens))
         while self._window and now - self._window[0][0] > 10.0:
@@ -116,9 +126,11 @@ class Scheduler:
     (its step raised, or a worker process died: `watch`) fails every request with one short message,
     turns /health to 503 and ends the loop; the details go to the server's log only."""
 
-    def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256, prefix_cache_bytes: int = 0):
+    def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256, prefix_cache_bytes: int = 0,
+                 max_batched_tokens: int | None = None):
         self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
-        self.batch = open_batch(backend, slots, capacity, prefix_cache_bytes)
+        self.batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
+        self.max_batched_tokens = max_batched_tokens
         state = self.batch.state()
         self.prefix_cache_bytes = prefix_cache_bytes
         self.metrics = Metrics(slots, state["kv_pool_bytes"])
@@ -239,7 +251,7 @@ class Scheduler:
                     print(f"request {rid} failed alone: {message}", flush=True)
                     self.metrics.finished.labels("error").inc()
                     outbox.setdefault(req.loop, []).append((req.queue, ("error", f"this request failed: {message}")))
-            self.metrics.step(now, new)
+            self.metrics.step(now, new, result)
             self.metrics.prefill(result.get("prefill_tokens", 0))
             if "prefix_cache" in result:
                 self.metrics.prefix_cache(result["prefix_cache"])
@@ -304,4 +316,5 @@ class Scheduler:
         with self._cond:
             return {"running": len(self._running), "waiting": len(self._waiting), "slots": self.slots,
                     "capacity": self.capacity, "kv_pool_bytes": self.pool_bytes,
-                    "prefix_cache_bytes": self.prefix_cache_bytes, "error": self.error}
+                    "prefix_cache_bytes": self.prefix_cache_bytes, "max_batched_tokens": self.max_batched_tokens,
+                    "error": self.error}

@@ -1,0 +1,80 @@
+"""The server runs the engines' own options, live on 127.0.0.1: chunked prefill under a token budget
+and weight-only int8 / int4 layers. Greedy answers under concurrency equal `generate` alone on an
+engine loaded with the same options (fp32), and /metrics shows the prompt chunks per step."""
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+import pytest
+import torch
+from live_server import Server
+
+from plugins.core.tokenizer import prompt_token_ids
+from plugins.engine.registry import load_backend
+
+BUDGET = 16
+# (prompt tokens, max_tokens): most prompts are longer than the budget; the last two start with the
+# first prompt's 48 tokens (prefix-cache hits of 48 tokens, then chunks of the rest)
+PROMPTS = [(60, 10), (7, 12), (33, 6), (21, 9), (45, 14), (3, 8)]
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    out = [prompt_token_ids(tokenizer, n, i) for i, (n, _) in enumerate(PROMPTS)]
+    head = out[0][:50]
+    return out + [head + prompt_token_ids(tokenizer, 9, 40), head + prompt_token_ids(tokenizer, 20, 41)]
+
+
+def max_tokens(i: int) -> int:
+    return PROMPTS[i][1] if i < len(PROMPTS) else 7
+
+
+def served(server, model: str, ids: list[list[int]]) -> list[list[int]]:
+    """Greedy completions sent as token ids, arriving while earlier ones run; the ids of each answer
+    (logprobs=0 gives the token of every step)."""
+
+    def ask(i):
+        time.sleep(0.1 * i)
+        r = httpx2.post(server.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": ids[i], "max_tokens": max_tokens(i), "temperature": 0, "logprobs": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    with ThreadPoolExecutor(len(ids)) as pool:
+        return list(pool.map(ask, range(len(ids))))
+
+
+def alone(engine, tokenizer, ids: list[int], n: int) -> list[str]:  # token texts, as logprobs.tokens shows them
+    t = torch.tensor([ids])
+    new = engine.generate(t, torch.ones_like(t), n).tokens[0, len(ids):].tolist()
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in new]
+
+
+def histogram(server, name: str) -> dict[str, float]:
+    text = httpx2.get(server.url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("backend,quantize", [("megatron", None), ("deepspeed", "int8"), ("deepspeed", "int4")])
+def test_chunked_prefill_and_quantized_serving_match_generate_alone(ckpt, tokenizer, backend, quantize):
+    extra = ["--quantize", quantize] if quantize else []
+    server = Server(ckpt, "--backend", backend, "--max-num-batched-tokens", str(BUDGET), *extra)
+    try:
+        ids = prompts(tokenizer)
+        answers = served(server, Path(ckpt).name, ids)
+        engine = load_backend(backend, ckpt, dtype="float32", **({"quantize": quantize} if quantize else {}))
+        for i, tokens in enumerate(answers):
+            assert tokens == alone(engine, tokenizer, ids[i], max_tokens(i)), f"request {i}"
+        # every step computed at most BUDGET prompt tokens, and the long prompts took several steps
+        chunks = histogram(server, "mqa_step_prefill_tokens")
+        assert chunks["16.0"] == chunks["+Inf"], chunks
+        computed = server.metric("mqa_prefill_tokens_total")
+        assert computed == sum(map(len, ids)) - 2 * 48  # the two prefix hits reuse 3 blocks of 16
+        assert chunks["+Inf"] - chunks["0.0"] >= computed / BUDGET
+        assert server.metric("mqa_step_seconds_count{phase=\"prefill\"}") > 0
+        assert server.metric("mqa_step_seconds_count{phase=\"decode\"}") > 0
+    finally:
+        assert server.stop() == 0, server.output()
