@@ -40,7 +40,7 @@ from torch import nn
 
 from injection import compat
 from plugins import kernels
-from plugins.engine.kv_cache import layer_cache
+from plugins.engine.kv_cache import SegmentLayer, layer_cache
 from plugins.kernels import PackedWeights, layer_ops
 from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quantize_per_channel
 
@@ -121,6 +121,8 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
     """
 
     def forward(self, qkv, mask, kv, heads: int, kv_heads: int, scale: float):
+        if isinstance(kv, SegmentLayer):
+            return self._segments(qkv, mask, kv, heads, kv_heads, scale)
         batch, q_len, _ = qkv.shape
         if q_len > 1 and kv is not None and kernels.rows_alone_active():
             # Each query row exactly as a one-token step computes it: appended to the cache on its own,
@@ -151,6 +153,18 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
         if kv_heads == 1:
             return out.view(batch, q_len, heads * head_dim)
         return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
+
+
+    def _segments(self, qkv, mask, kv: SegmentLayer, heads: int, kv_heads: int, scale: float):
+        """qkv [1, rows + chunk tokens, ..]: the pool rows' one-token steps (`mask` is theirs), then each
+        prompt chunk causally over its own cache (the chunks before it already there)."""
+        n = kv.rows
+        parts = [self.forward(qkv[0, :n].unsqueeze(1), mask, kv.pool, heads, kv_heads, scale).view(1, n, -1)]
+        start = n
+        for layer, length in kv.chunks:
+            parts.append(self.forward(qkv[:, start:start + length], None, layer, heads, kv_heads, scale))
+            start += length
+        return torch.cat(parts, 1)
 
 
 def _decode_attention(query, key, value, mask, scale: float):

@@ -29,7 +29,8 @@ def requests(tokenizer, eos=None):
 def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=None, prefix_cache_bytes=0,
         steps=None):
     """Drive open_batch / step as the server does: FIFO admission while slots are free. `steps`: a list
-    that gets (rows decoding before the step, prompt tokens computed in it) per step."""
+    that gets (rows decoding before the step, prompt tokens computed in it, its phases, speculation
+    counts) per step."""
     batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens=budget)
     state = batch.state()
     waiting, running, out, finished = list(schedule), set(), {}, {}
@@ -43,7 +44,7 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
         running.difference_update(release)
         result = batch.step(admit, release)
         if steps is not None:
-            steps.append((decoding, result["chunk_tokens"]))
+            steps.append((decoding, result["chunk_tokens"], set(result["step_s"]), result.get("speculative")))
         running.update(r.id for r in admit)
         for rid, tokens in result["tokens"].items():
             out.setdefault(rid, []).extend(tokens)
@@ -91,10 +92,35 @@ def test_chunked_prefill_matches_generate_alone(tiny_dir, tokenizer, name):
     for _, request in schedule:
         assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
     # the budget holds: decode rows + prompt tokens <= 12 (a step with more running rows still computes one)
-    assert all(chunk <= max(12 - rows, 1) for rows, chunk in steps), steps
-    assert sum(chunk for _, chunk in steps) == sum(len(r.prompt) for _, r in schedule) - 32  # the hit's 32 reused
-    # the 40-token prompt took several steps, during which the running rows kept decoding
-    assert sum(1 for rows, chunk in steps if chunk and rows) >= 4
+    assert all(chunk <= max(12 - rows, 1) for rows, chunk, _, _ in steps), steps
+    assert sum(chunk for _, chunk, _, _ in steps) == sum(len(r.prompt) for _, r in schedule) - 32  # the hit's 32 reused
+    # the 40-token prompt took several steps, during which the running rows kept decoding: in the same
+    # forward on DeepSpeed's injected layers, in a forward of their own on the others
+    both = [phases for rows, chunk, phases, _ in steps if chunk and rows]
+    assert len(both) >= 4
+    assert all(phases == ({"mixed"} if name == "deepspeed" else {"prefill", "decode"}) for phases in both), both
+
+
+def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer):
+    """Greedy rows propose by prompt lookup and keep what the model confirms; sampled rows and a row
+    with a penalty decode one token a step beside them; the 64-column pool packs the rejected
+    columns away. Every request equals plain `generate` alone, and proposals were accepted."""
+    ckpt = ckpt_factory("tiny")
+    plain = load_backend("deepspeed", ckpt, dtype="float32")
+    spec = load_backend("deepspeed", ckpt, dtype="float32", speculative={"draft": "prompt-lookup", "k": 4})
+    schedule = requests(tokenizer)
+    snippet = prompt_token_ids(tokenizer, 10, 60)
+    schedule.append((4, BatchRequest(id=300, prompt=snippet * 3 + snippet[:4], max_new_tokens=20)))  # an edit
+    schedule.append((4, BatchRequest(id=301, prompt=snippet * 2, max_new_tokens=12, repetition_penalty=1.3)))
+    steps = []
+    _, out, _ = run(spec, schedule, steps=steps)
+    _, without, _ = run(plain, schedule)  # the same batch, no speculation: the penalty row's reference
+    for _, request in schedule:
+        expected = without[request.id] if request.id == 301 else alone(plain, request)
+        assert out[request.id] == expected, f"request {request.id} differs"
+    stats = steps[-1][3]
+    assert stats["steps"] > 0 and stats["accepted"] > 0, stats
+    assert max(rows for rows, *_ in steps) == SLOTS
 
 
 def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenizer):

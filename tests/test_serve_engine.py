@@ -1,6 +1,7 @@
-"""The server runs the engines' own options, live on 127.0.0.1: chunked prefill under a token budget
-and weight-only int8 / int4 layers. Greedy answers under concurrency equal `generate` alone on an
-engine loaded with the same options (fp32), and /metrics shows the prompt chunks per step."""
+"""The server runs the engines' own options, live on 127.0.0.1: chunked prefill under a token budget,
+weight-only int8 / int4 layers, prompt-lookup speculation. Greedy answers under concurrency equal
+`generate` alone on an engine loaded with the same options (fp32), and /metrics shows the prompt
+chunks per step and the accepted proposals."""
 
 import re
 import time
@@ -31,14 +32,14 @@ def max_tokens(i: int) -> int:
     return PROMPTS[i][1] if i < len(PROMPTS) else 7
 
 
-def served(server, model: str, ids: list[list[int]]) -> list[list[int]]:
-    """Greedy completions sent as token ids, arriving while earlier ones run; the ids of each answer
-    (logprobs=0 gives the token of every step)."""
+def served(server, model: str, ids: list[list[int]], counts: list[int]) -> list[list[str]]:
+    """Greedy completions of `counts` tokens, sent as token ids, arriving while earlier ones run; the
+    tokens of each answer (logprobs=0 gives the text of every token)."""
 
     def ask(i):
         time.sleep(0.1 * i)
         r = httpx2.post(server.url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": ids[i], "max_tokens": max_tokens(i), "temperature": 0, "logprobs": 0,
+            "model": model, "prompt": ids[i], "max_tokens": counts[i], "temperature": 0, "logprobs": 0,
             "ignore_eos": True})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["logprobs"]["tokens"]
@@ -58,14 +59,22 @@ def histogram(server, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)}
 
 
-@pytest.mark.parametrize("backend,quantize", [("megatron", None), ("deepspeed", "int8"), ("deepspeed", "int4")])
-def test_chunked_prefill_and_quantized_serving_match_generate_alone(ckpt, tokenizer, backend, quantize):
-    extra = ["--quantize", quantize] if quantize else []
-    server = Server(ckpt, "--backend", backend, "--max-num-batched-tokens", str(BUDGET), *extra)
+LOOKUP = {"draft": "prompt-lookup", "k": 4}
+ENGINES = [("megatron", [], {}),
+           ("deepspeed", ["--quantize", "int8"], {"quantize": "int8"}),
+           ("deepspeed", ["--quantize", "int4", "--speculative", "prompt-lookup", "--num-speculative-tokens", "4"],
+            {"quantize": "int4", "speculative": LOOKUP}),
+           ("deepspeed", ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4"], {"speculative": LOOKUP})]
+
+
+@pytest.mark.parametrize("backend,flags,options", ENGINES, ids=["megatron", "int8", "int4-lookup", "lookup"])
+def test_chunked_prefill_and_engine_options_match_generate_alone(ckpt, tokenizer, backend, flags, options):
+    server = Server(ckpt, "--backend", backend, "--max-num-batched-tokens", str(BUDGET), *flags)
     try:
         ids = prompts(tokenizer)
-        answers = served(server, Path(ckpt).name, ids)
-        engine = load_backend(backend, ckpt, dtype="float32", **({"quantize": quantize} if quantize else {}))
+        counts = [max_tokens(i) for i in range(len(ids))]
+        answers = served(server, Path(ckpt).name, ids, counts)
+        engine = load_backend(backend, ckpt, dtype="float32", **options)
         for i, tokens in enumerate(answers):
             assert tokens == alone(engine, tokenizer, ids[i], max_tokens(i)), f"request {i}"
         # every step computed at most BUDGET prompt tokens, and the long prompts took several steps
@@ -76,5 +85,12 @@ def test_chunked_prefill_and_quantized_serving_match_generate_alone(ckpt, tokeni
         assert chunks["+Inf"] - chunks["0.0"] >= computed / BUDGET
         assert server.metric("mqa_step_seconds_count{phase=\"prefill\"}") > 0
         assert server.metric("mqa_step_seconds_count{phase=\"decode\"}") > 0
+        if "speculative" in options:  # an edit alone (a repeated snippet): proposals, and the model confirms some
+            snippet = prompt_token_ids(tokenizer, 12, 70)
+            edit = snippet * 3 + snippet[:3]
+            [tokens] = served(server, Path(ckpt).name, [edit], [24])
+            assert tokens == alone(engine, tokenizer, edit, 24)
+            assert server.metric("mqa_spec_decode_accepted_tokens_total") > 0
+            assert server.metric("mqa_spec_decode_steps_total") > 0
     finally:
         assert server.stop() == 0, server.output()

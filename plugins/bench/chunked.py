@@ -10,7 +10,7 @@ prompts; prefix cache off): --streams greedy streams of --stream-prompt + --stre
 together; once they all have their first token, --long requests of --long-prompt tokens arrive
 --long-gap seconds apart. Reported: the streams' inter-token latency (p50, p99, max: how long a
 prompt stalls them), TTFT of the long requests, output tokens/s over the run, and the server's step
-time by phase (/metrics). Prints a table and writes results/chunked-<timestamp>/{chunked.json, server-*.log}.
+time by phase (/metrics: prefill alone, decode alone, or both in one forward). Prints a table and writes results/chunked-<timestamp>/{chunked.json, server-*.log}.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def metric(response, name: str) -> float:
 def step_times(url: str) -> dict:
     text = httpx2.get(url + "/metrics", timeout=30).text
     out = {}
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "mixed"):
         found = {k: float(v) for k, v in re.findall(rf'^mqa_step_seconds_(sum|count){{phase="{phase}"}} (\S+)$',
                                                      text, re.MULTILINE)}
         out[f"{phase}_steps"], out[f"{phase}_s"] = found.get("count", 0.0), found.get("sum", 0.0)
@@ -115,7 +115,7 @@ def run_budget(args, budget: int, streams: list[Req], longs: list[Req], out: Pat
            "stream_ttft_p50_s": percentile([r["ttft_s"] for r in srecs], 50),
            "long_ttft_p50_s": percentile([r["ttft_s"] for r in lrecs], 50),
            "long_ttft_max_s": max(r["ttft_s"] or 0 for r in lrecs)}
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "mixed"):
         steps = after[f"{phase}_steps"] - before[f"{phase}_steps"]
         res[f"{phase}_steps"] = steps
         res[f"{phase}_mean_s"] = (after[f"{phase}_s"] - before[f"{phase}_s"]) / steps if steps else None
@@ -138,14 +138,15 @@ def main(argv=None) -> int:
     (out / "chunked.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                   "results": results}, indent=2))
     print("| budget | ITL p50 ms | ITL p99 ms | p99/p50 | ITL max ms | long TTFT p50 s | long TTFT max s | "
-          "stream TTFT p50 s | out tok/s | prefill step ms | decode step ms | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "stream TTFT p50 s | out tok/s | prefill / decode / mixed step ms (steps) | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"  # noqa: E731
         print(f"| {r['budget'] or 'off'} | {ms(r['itl_p50_s'])} | {ms(r['itl_p99_s'])} | {r['itl_p99_over_p50']:.1f} | "
               f"{ms(r['itl_max_s'])} | {r['long_ttft_p50_s']:.2f} | {r['long_ttft_max_s']:.2f} | "
-              f"{r['stream_ttft_p50_s']:.2f} | {r['output_tok_s']:.1f} | {ms(r['prefill_mean_s'])} | "
-              f"{ms(r['decode_mean_s'])} | {len(r['errors'])} |")
+              f"{r['stream_ttft_p50_s']:.2f} | {r['output_tok_s']:.1f} | "
+              + " / ".join(f"{ms(r[p + '_mean_s'])} ({r[p + '_steps']:.0f})" for p in ("prefill", "decode", "mixed"))
+              + f" | {len(r['errors'])} |")
     print(f"wrote {out / 'chunked.json'}")
     return 0
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plugins.engine.hf_model import HFDecoder
+from plugins.engine.kv_cache import Segments
 from plugins.kernels import PackedWeights, linear, rows_alone
 
 
@@ -56,6 +57,29 @@ class InjectedDecoder(HFDecoder):
             mask = self.keep[:tokens.shape[0], :, :, :attention_mask.shape[1]]  # a pool decodes its first rows
             mask.copy_(attention_mask[:, None, None, :])
         return self.step(tokens, position_ids, mask)[:, -1]
+
+    def mixed(self, tokens, attention_mask, position_ids, chunks):
+        """One forward of the pool's decode step and prompt chunks (chunked prefill): `tokens` /
+        `position_ids` [n, 1] and `attention_mask` [n, t + 1] as `decode` takes them; `chunks` a list of
+        (one-row cache holding the prompt's earlier columns, chunk ids [1, C], positions [1, C]). The
+        linears run once over every token (the weights are read once per step, not once per chunk);
+        attention per sequence (plugins.engine.kv_cache.Segments). Returns (logits [n, V], the
+        logits of each chunk's last token [1, V])."""
+        n = tokens.shape[0]
+        ids = torch.cat([tokens.view(1, n)] + [c for _, c, _ in chunks], 1)
+        pos = torch.cat([position_ids.view(1, n)] + [p for _, _, p in chunks], 1)
+        mask = self.keep[:n, :, :, :attention_mask.shape[1]]
+        mask.copy_(attention_mask[:, None, None, :])
+        cache = Segments(self.cache, n, [(c, ids_.shape[1]) for c, ids_, _ in chunks])
+        t = self.model.transformer
+        h = t.wte(ids) + t.wpe(pos)
+        for block in t.h:
+            h = block(h, None, layer_past=cache, attention_mask=mask)
+        ends = torch.tensor([c.shape[1] for _, c, _ in chunks], device=h.device).cumsum(0) + n - 1
+        h = t.ln_f(torch.cat([h[0, :n], h[0, ends]]))
+        logits = self.model.lm_head(h) if self.packs is None else linear(h, self.model.lm_head.weight, None, False,
+                                                                         self.packs)
+        return logits[:n], [logits[n + i:n + i + 1] for i in range(len(chunks))]
 
     def forward_tokens(self, tokens, attention_mask, position_ids):
         """Logits of several new tokens (a speculative verify): every row computed with the arithmetic of

@@ -89,3 +89,8 @@ class BatchDecoder(Protocol):
 
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Rows [0, n) of the pool: tokens [n, 1] written at column t = mask width - 1; logits [n, V]."""
+
+    # Optional: an engine that sets `fuses_chunks = True` also has
+    # mixed(tokens, attention_mask, position_ids, chunks) -> (logits [n, V], [(logits [1, V], K and V)])
+    # `decode` and prompt chunks ((ids [1, end], prefix K and V or None), as `prefill_alone` takes them)
+    # in one forward; the continuous batch then runs chunked prefill inside its decode steps.

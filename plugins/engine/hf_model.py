@@ -58,6 +58,7 @@ class PoolDecoder:
         self.cache = self._cache(slots, capacity)
         self.step = make_step(self.cache)
         self.full = [(layer.keys, layer.values) for layer in self.cache.layers]
+        self.fuses_chunks = hasattr(self.step, "mixed")  # decode + prompt chunks in one forward
 
     def _cache(self, batch: int, length: int) -> SingleHeadCache:
         b = self.backend
@@ -75,20 +76,48 @@ class PoolDecoder:
             logits = scratch.prefill(input_ids, mask, pos)
         else:
             n = prefix[0].shape[2]
-            cache = self._cache(1, p)
+            scratch = self.make_step(self._chunk_cache(p, prefix))
+            logits = scratch.prefill(input_ids[:, n:], mask, pos[:, n:])
+        return logits, [t[:, :, :p] for layer in scratch.cache.layers for t in (layer.keys, layer.values)]
+
+    def _chunk_cache(self, end: int, prefix):
+        """A one-row cache of `end` columns holding `prefix` (the K and V of the first columns)."""
+        cache = self._cache(1, end)
+        if prefix is not None:
+            n = prefix[0].shape[2]
             for layer, keys, values in zip(cache.layers, prefix[0::2], prefix[1::2]):
                 layer.keys[:, :, :n].copy_(keys)
                 layer.values[:, :, :n].copy_(values)
                 layer.length = n
-            scratch = self.make_step(cache)
-            logits = scratch.prefill(input_ids[:, n:], mask, pos[:, n:])
-        return logits, [t[:, :, :p] for layer in scratch.cache.layers for t in (layer.keys, layer.values)]
+        return cache
 
-    def decode(self, tokens, attention_mask, position_ids):
-        n, t = tokens.shape[0], attention_mask.shape[1] - 1
+    def _rows(self, n: int, t: int) -> None:
         for layer, (keys, values) in zip(self.cache.layers, self.full):
             layer.keys, layer.values, layer.length = keys[:n], values[:n], t
+
+    def decode(self, tokens, attention_mask, position_ids):
+        self._rows(tokens.shape[0], attention_mask.shape[1] - 1)
         return self.step.decode(tokens, attention_mask, position_ids)
+
+    def verify(self, tokens, attention_mask, position_ids):
+        """Rows [0, n) with several new tokens each [n, w] written at columns t .. t + w - 1 (t = mask
+        width - w; masked columns are padding): logits of every token [n, w, V] (speculative decoding)."""
+        self._rows(tokens.shape[0], attention_mask.shape[1] - tokens.shape[1])
+        return self.step.forward_tokens(tokens, attention_mask, position_ids)
+
+    def mixed(self, tokens, attention_mask, position_ids, chunks):
+        """`decode` and prompt chunks in one forward (where `fuses_chunks`): `chunks` a list of (prompt
+        ids [1, end], K and V of its first columns or None) as `prefill_alone` takes them; returns (decode
+        logits [n, V], per chunk (logits of its last token [1, V], its K and V: `end` columns))."""
+        self._rows(tokens.shape[0], attention_mask.shape[1] - 1)
+        parts = []
+        for ids, prefix in chunks:
+            done = 0 if prefix is None else prefix[0].shape[2]
+            positions = torch.arange(done, ids.shape[1], device=ids.device)[None]
+            parts.append((self._chunk_cache(ids.shape[1], prefix), ids[:, done:], positions))
+        logits, last = self.step.mixed(tokens, attention_mask, position_ids, parts)
+        return logits, [(chunk_logits, [t[:, :, :ids.shape[1]] for layer in cache.layers for t in (layer.keys, layer.values)])
+                        for chunk_logits, (cache, _, _), (ids, _) in zip(last, parts, chunks)]
 
 
 class HFModelBackend(LocalBackend):

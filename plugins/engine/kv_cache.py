@@ -9,6 +9,8 @@ concatenated and K/V are never expanded to all query heads (attention broadcasts
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -94,7 +96,30 @@ class SingleHeadCache(Cache):
                    for t in (layer.keys, layer.values))
 
 
-def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | None:
+@dataclass
+class SegmentLayer:
+    """One layer's caches for a forward of several sequences packed on one token axis (`Segments`)."""
+
+    pool: SingleHeadLayer
+    rows: int
+    chunks: list[tuple[SingleHeadLayer, int]]
+
+
+@dataclass
+class Segments:
+    """The caches of one forward whose tokens [1, rows + chunk tokens] are one new token for each of
+    the pool's first `rows` rows, then each prompt chunk's tokens (its one-row cache, its length).
+    Layers run their linears over all tokens at once and attend per segment on its own cache."""
+
+    pool: Cache
+    rows: int
+    chunks: list[tuple[Cache, int]]
+
+    def layer(self, i: int) -> SegmentLayer:
+        return SegmentLayer(self.pool.layers[i], self.rows, [(cache.layers[i], n) for cache, n in self.chunks])
+
+
+def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | SegmentLayer | None:
     """This layer's `SingleHeadLayer` in whatever `Cache` HF passed (None: no cache, a plain forward).
 
     HF `generate` creates its default `DynamicCache` before any layer runs. At prefill the injected
@@ -103,6 +128,8 @@ def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | None:
     """
     if cache is None:
         return None
+    if isinstance(cache, Segments):
+        return cache.layer(layer_idx)
     if not isinstance(cache, Cache):
         raise TypeError(f"the injected gpt_bigcode layer needs a transformers Cache, got {type(cache).__name__}")
     layers = cache.layers

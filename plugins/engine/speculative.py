@@ -87,16 +87,22 @@ class PromptLookupDraft:
         return lengths
 
     def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor | None:
-        for size in range(min(self.ngram, len(seq) - 1), 0, -1):
-            windows = seq[:-1].unfold(0, size, 1)  # every earlier window (not the tail itself)
-            hits = (windows == seq[-size:]).all(-1).nonzero()
-            if len(hits):
-                first = int(hits[0]) + size
-                return seq[first:first + k]
-        return None
+        return lookup_continuation(seq, k, self.ngram)
 
     def keep(self, columns: int) -> None:
         pass
+
+
+def lookup_continuation(seq: torch.Tensor, k: int, ngram: int) -> torch.Tensor | None:
+    """Up to k tokens that followed the first earlier occurrence of the last `ngram` tokens of `seq`
+    (then ngram - 1, ..., 1); None without a match."""
+    for size in range(min(ngram, len(seq) - 1), 0, -1):
+        windows = seq[:-1].unfold(0, size, 1)  # every earlier window (not the tail itself)
+        hits = (windows == seq[-size:]).all(-1).nonzero()
+        if len(hits):
+            first = int(hits[0]) + size
+            return seq[first:first + k]
+    return None
 
 
 @torch.inference_mode()

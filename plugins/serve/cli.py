@@ -92,6 +92,8 @@ def main(argv=None) -> int:
         ap.error(f"--kv-budget {args.kv_budget} bytes holds no slot: one sequence of {capacity} tokens needs "
                  f"{per_slot} bytes per rank (raise --kv-budget or lower --max-model-len)")
     slots = min(slots, args.max_batch)
+    if args.num_speculative_tokens < 1:
+        ap.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.max_num_batched_tokens < 0:
         ap.error(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
     if args.max_waiting < 0:
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
         ap.error(str(e))
     chunk = args.max_num_batched_tokens or "off"
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
-             f"{', ' + args.quantize if args.quantize else ''}); chunked prefill {chunk}; "
+             f"{', ' + args.quantize if args.quantize else ''}"
+             f"{', speculative ' + args.speculative if args.speculative else ''}); chunked prefill {chunk}; "
              f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
              f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
              f"tokenizer {tok_path}")

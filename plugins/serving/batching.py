@@ -1,31 +1,25 @@
 """Continuous batching on a preallocated KV pool: requests join and leave a running batch at any step.
 
-The pool is `slots` rows x `capacity` columns per layer, allocated once. Active requests occupy
-rows [0, n); all of them share one time axis: every decode step writes each row's new token at
-column `t`, and a row's tokens sit in columns [start, t) (left padding, masked). So each engine
-decodes the batch exactly as it decodes a static left-padded batch: a dense [n, .., t + 1, ..]
-cache and a [n, t + 1] mask, no per-row lengths, no gathers.
+Active requests hold rows [0, n) of the pool, on one shared time axis (plugins.serving.kv_pool).
 
 - Admission: the prompt is prefilled alone (batch 1, its own scratch cache: the numerics of
-  `generate` on that request alone), its first token sampled, and its KV copied into row n at
-  columns [t - P, t). A prompt longer than `t` shifts the running rows right first. Requests
-  admitted with the same prompt (n choices) share one prefill.
+  `generate` on that request alone), its first token sampled, and its KV copied into a new row.
+  Requests admitted with the same prompt (n choices) share one prefill.
 - Chunked prefill: with a token budget (`max_batched_tokens`, vLLM's `max_num_batched_tokens`), a
   step computes at most budget - (rows decoding) prompt tokens, first come first served: a long
   prompt spreads over several steps (each chunk attends to the KV of the chunks before it, as a
   prefix-cache hit does), several short ones share a step, and the running rows decode every step.
-  A request holds its slot from admission; its first token comes with its last chunk. The chunks run
-  as their own forwards before the decode step (our engines attend over a dense cache: one forward
-  of decode rows and prompt chunks together would need variable-length attention).
+  A request holds its slot from admission; its first token comes with its last chunk. Where the
+  engine can (`BatchDecoder.mixed`: DeepSpeed's injected layers at TP 1), the chunks and the decode
+  step are one forward: the linears run once over all their tokens, attention runs per sequence.
+  Elsewhere each chunk is its own forward before the decode step.
 - Sampling: each row's own rules (penalties, bias, min tokens: LogitRules) and sampler; a batch of
   plain greedy rows is one argmax.
-- Release: the last active row moves into the freed row, so rows stay packed.
+- Speculative decoding (an engine loaded with `speculative={"draft": "prompt-lookup"}`): greedy rows
+  propose by prompt lookup and a step keeps 1 to k + 1 tokens per row (plugins.serving.speculation).
 - Failure of one request: an error raised while admitting or sampling for one request (not by the
   engine's forward over the batch) ends that request alone, reported in the step's "failed"; the
   other rows go on.
-- Compaction: when column `capacity` is reached (or half of every row is padding) all rows shift
-  left by their common padding. Every request fits (prompt + max_new_tokens <= capacity), so the
-  common padding is never zero when it is needed.
 
 Slots rather than blocks: every engine here attends over a dense cache tensor (SDPA, megatron's
 static context); blocks would need a gather of the whole cache each step or a paged CPU kernel.
@@ -34,18 +28,18 @@ With MQA a slot of 2048 tokens of SantaCoder-1B is 25 MB, so dense slots cost li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 
 from plugins.core.config import ConfigError
-from plugins.core.tensors import tensor_bytes
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import BatchDecoder
 from plugins.engine.sampling import LogitRules, Sampler, top_logprobs
+from plugins.serving.kv_pool import RowPool
 from plugins.serving.prefix_cache import PrefixCache
+from plugins.serving.speculation import RowSpeculation
 
 
 @dataclass
@@ -104,9 +98,14 @@ class _Row:
     output: list[int]
 
     @property
+    def greedy(self) -> bool:
+        """The argmax of the raw logits (log-probabilities may be asked too)."""
+        return not (self.request.do_sample or self.rules.active)
+
+    @property
     def plain(self) -> bool:
-        """Greedy on the raw logits, nothing else asked: the batch's one argmax serves it."""
-        return not (self.request.do_sample or self.rules.active or self.request.logprobs is not None)
+        """Greedy, nothing else asked: the batch's one argmax serves it."""
+        return self.greedy and self.request.logprobs is None
 
     def choose(self, logits: torch.Tensor, logprobs: dict) -> int:
         """This row's next token from its logits [1, V]; its log-probabilities (of the raw logits, as
@@ -139,19 +138,18 @@ class ContinuousBatch:
     tokens of one step, decode rows included: prompts beyond it are prefilled in chunks over steps."""
 
     def __init__(self, decoder: BatchDecoder, slots: int, capacity: int, device="cpu", prefix_cache_bytes: int = 0,
-                 score=None, max_batched_tokens: int | None = None):
-        """`score(input_ids, attention_mask)` -> logits of every position: prompt log-probabilities."""
+                 score=None, max_batched_tokens: int | None = None, speculation: RowSpeculation | None = None):
+        """`score(input_ids, attention_mask)` -> logits of every position: prompt log-probabilities.
+        `speculation`: greedy rows speculate (the decoder's `verify` checks their proposals)."""
         if slots < 1 or capacity < 2:
             raise ConfigError(f"a KV pool needs >= 1 slot and >= 2 columns, got {slots} x {capacity}")
         self.decoder, self.slots, self.capacity, self.score = decoder, slots, capacity, score
         self.max_batched_tokens = max_batched_tokens
         self.filling: list[_Prefill] = []  # admitted, prompt not all computed yet (FIFO)
         self.prefix = PrefixCache(prefix_cache_bytes, decoder.time_dim) if prefix_cache_bytes > 0 else None
-        self.mask = torch.zeros((slots, capacity), dtype=torch.long, device=device)
-        self.last = torch.zeros((slots, 1), dtype=torch.long, device=device)
-        self.pos = torch.zeros((slots, 1), dtype=torch.long, device=device)
-        self.rows: list[_Row] = []
-        self.t = 0  # columns in use
+        self.pool = RowPool(decoder, slots, capacity, device)
+        self.speculation = speculation
+        self.rows: list[_Row] = []  # row r of the pool serves rows[r]
         self.prefill_tokens = 0  # prompt tokens computed so far (not those of shared prefills or cache hits)
 
     @property
@@ -174,7 +172,8 @@ class ContinuousBatch:
         "failed": {id: message}} (requests that raised alone, now released), and where asked
         "logprobs": {id: [(logprob, [(token, logprob) x k]) per new token]}, "prompt_logprobs": {id: the
         same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the
-        start; this step's "chunk_tokens" (prompt tokens computed), "prefill_s" and "decode_s"."""
+        start; this step's "chunk_tokens" (prompt tokens computed) and "step_s" (seconds by phase:
+        "prefill" and "decode", or "mixed" where the engine ran both in one forward)."""
         for request in admit:
             self.check(request)
         if self.held + len(admit) > self.slots:
@@ -192,41 +191,45 @@ class ContinuousBatch:
         failed: dict[int, str] = {}
         logprobs: dict[int, list] = {}
         prompt_logprobs: dict[int, list] = {}
-        start, chunk_tokens = time.perf_counter(), 0
+        start = time.perf_counter()
         budget = float("inf") if self.max_batched_tokens is None else max(self.max_batched_tokens - self.n, 1)
-        for fill in list(self.filling):
-            if chunk_tokens >= budget:
-                break
-            try:
-                chunk_tokens += self._prefill(fill, budget - chunk_tokens)
-            except Exception as exc:  # these requests alone
-                self.filling.remove(fill)
-                for request in fill.requests:
-                    failed[request.id] = _message(exc)
-                continue
-            if fill.done == len(fill.prompt):
-                self.filling.remove(fill)
-                for request in fill.requests:
-                    n = self.n
-                    try:
-                        self._place(request, fill, out, finished, logprobs, prompt_logprobs)
-                    except Exception as exc:  # this request alone (a row is placed only at the end of _place)
-                        del self.rows[n:]
-                        for part in (out, finished, logprobs, prompt_logprobs):
-                            part.pop(request.id, None)
+        plan = self._plan(budget)
+        chunk_tokens = sum(end - fill.done for fill, end in plan)
+        phases = {}
+        if plan and self.rows and getattr(self.decoder, "fuses_chunks", False):
+            # one forward: every row's decode step and the chunks (weights read once)
+            chunks = [(self._ids(fill.prompt[:end]), fill.kv if fill.done else None) for fill, end in plan]
+            for (fill, end), (logits, kv) in zip(plan, self._decode(out, finished, failed, logprobs, chunks)):
+                self._advance(fill, end, logits, kv)
+            phases["mixed"] = time.perf_counter() - start
+            self._place_complete(out, finished, failed, logprobs, prompt_logprobs)
+        else:
+            for fill, end in plan:
+                try:
+                    logits, kv = self.decoder.prefill_alone(self._ids(fill.prompt[:end]), fill.kv if fill.done else None)
+                except Exception as exc:  # these requests alone
+                    self.filling.remove(fill)
+                    for request in fill.requests:
                         failed[request.id] = _message(exc)
-        decode_start = time.perf_counter()
-        if self.rows:
-            self._decode(out, finished, failed, logprobs)
+                    continue
+                self._advance(fill, end, logits, kv)
+            self._place_complete(out, finished, failed, logprobs, prompt_logprobs)
+            decode_start = time.perf_counter()
+            if plan:
+                phases["prefill"] = decode_start - start
+            if self.rows:
+                self._decode(out, finished, failed, logprobs)
+                phases["decode"] = time.perf_counter() - decode_start
         result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens,
-                  "chunk_tokens": chunk_tokens, "prefill_s": decode_start - start,
-                  "decode_s": time.perf_counter() - decode_start}
+                  "chunk_tokens": chunk_tokens, "step_s": phases}
         if logprobs:
             result["logprobs"] = logprobs
         if prompt_logprobs:
             result["prompt_logprobs"] = prompt_logprobs
         if self.prefix:
             result["prefix_cache"] = self.prefix.stats()
+        if self.speculation:
+            result["speculative"] = self.speculation.stats()
         return result
 
     def _release(self, rid: int) -> None:
@@ -238,20 +241,42 @@ class ContinuousBatch:
             fill.requests = [r for r in fill.requests if r.id != rid]
         self.filling = [fill for fill in self.filling if fill.requests]
 
-    def _prefill(self, fill: _Prefill, budget: float) -> int:
-        """The next chunk of `fill`'s prompt, at most `budget` tokens; returns the tokens computed."""
-        prompt = fill.prompt
-        if not fill.started:
-            fill.started = True
-            fill.done, fill.kv = self.prefix.lookup(prompt) if self.prefix else (0, None)
-        end = int(min(len(prompt), fill.done + budget))
-        ids = torch.tensor([prompt[:end]], dtype=torch.long, device=self.mask.device)
-        fill.logits, fill.kv = self.decoder.prefill_alone(ids, fill.kv if fill.done else None)
-        computed, fill.done = end - fill.done, end
-        self.prefill_tokens += computed
-        if end == len(prompt) and self.prefix:
-            self.prefix.insert(prompt, fill.kv)
-        return computed
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], dtype=torch.long, device=self.pool.mask.device)
+
+    def _plan(self, budget: float) -> list[tuple[_Prefill, int]]:
+        """The prompt chunks of this step, first come first served: (prefill, end column) within `budget`
+        tokens. A prompt's first chunk starts after its longest cached prefix."""
+        plan = []
+        for fill in self.filling:
+            if budget <= 0:
+                break
+            if not fill.started:
+                fill.started = True
+                fill.done, fill.kv = self.prefix.lookup(fill.prompt) if self.prefix else (0, None)
+            end = int(min(len(fill.prompt), fill.done + budget))
+            plan.append((fill, end))
+            budget -= end - fill.done
+        return plan
+
+    def _advance(self, fill: _Prefill, end: int, logits: torch.Tensor, kv: list[torch.Tensor]) -> None:
+        self.prefill_tokens += end - fill.done
+        fill.done, fill.logits, fill.kv = end, logits, kv
+        if end == len(fill.prompt) and self.prefix:
+            self.prefix.insert(fill.prompt, kv)
+
+    def _place_complete(self, out: dict, finished: dict, failed: dict, logprobs: dict, prompt_logprobs: dict) -> None:
+        for fill in [f for f in self.filling if f.done == len(f.prompt)]:
+            self.filling.remove(fill)
+            for request in fill.requests:
+                n = self.n
+                try:
+                    self._place(request, fill, out, finished, logprobs, prompt_logprobs)
+                except Exception as exc:  # this request alone (a row is placed only at the end of _place)
+                    del self.rows[n:]
+                    for part in (out, finished, logprobs, prompt_logprobs):
+                        part.pop(request.id, None)
+                    failed[request.id] = _message(exc)
 
     def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
         out.setdefault(row.request.id, []).append(token)
@@ -272,49 +297,96 @@ class ContinuousBatch:
         token = row.choose(fill.logits, logprobs)
         if self._emit(row, token, out, finished):
             return
-        if p > self.t:
-            self._shift(p - self.t)  # (n == 0: nothing moves, t becomes p)
-        i = self.n
-        for pool, part in zip(self.decoder.pool_tensors(), fill.kv):
-            self._cols(self._row(pool, i), self.t - p, self.t).copy_(part)
-        self.mask[i].zero_()
-        self.mask[i, self.t - p:self.t] = 1
-        self.last[i, 0] = token
-        self.pos[i, 0] = p
+        self.pool.add(fill.kv, token, p)
         self.rows.append(row)
 
     def _prompt_logprobs(self, request: BatchRequest) -> list:
         if self.score is None:
             raise ConfigError("this engine cannot score prompts (no prompt log-probabilities)")
-        ids = torch.tensor([request.prompt], dtype=torch.long, device=self.mask.device)
+        ids = self._ids(request.prompt)
         logits = self.score(ids, torch.ones_like(ids))[0]
         return [top_logprobs(logits[i - 1], token, request.prompt_logprobs)
                 for i, token in enumerate(request.prompt) if i > 0]
 
-    def _decode(self, out: dict, finished: dict, failed: dict, logprobs: dict) -> None:
-        if self.t == self.capacity:
-            self._compact()
-        n, t = self.n, self.t
-        self.mask[:n, t] = 1
-        logits = self.decoder.decode(self.last[:n], self.mask[:n, :t + 1], self.pos[:n])
-        self.t += 1
-        self.pos[:n] += 1
+    def _decode(self, out: dict, finished: dict, failed: dict, logprobs: dict, chunks=None) -> list | None:
+        """One decode step of every row; with `chunks`, in one forward with those prompt chunks
+        (`BatchDecoder.mixed`), whose (logits, KV) it returns."""
+        pool = self.pool
+        proposals = None if chunks or not self.speculation else self.speculation.proposals(self.rows)
+        if proposals is not None:
+            width = max(map(len, proposals))
+            fits = pool.room(width + 1) - 1
+            if fits < 1:
+                proposals = None
+            elif fits < width:
+                proposals = [p[:fits] for p in proposals]
+        if proposals is not None:
+            self._speculate(proposals, out, finished, failed, logprobs)
+            return None
+        pool.room(1)
+        n, t = self.n, pool.t
+        pool.mask[:n, t] = 1
+        if chunks:
+            logits, chunked = self.decoder.mixed(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n], chunks)
+        else:
+            logits, chunked = self.decoder.decode(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n]), None
+        pool.t += 1
+        pool.pos[:n] += 1
         if all(row.plain for row in self.rows):
             tokens = logits.float().argmax(-1).tolist()
         else:
             tokens = [self._choose(row, logits[r:r + 1], failed, logprobs) for r, row in enumerate(self.rows)]
+        self._keep([[token] for token in tokens], out, finished)
+        return chunked
+
+    def _speculate(self, proposals: list[list[int]], out: dict, finished: dict, failed: dict, logprobs: dict) -> None:
+        """One verify forward of every row's next token and its proposals (padded to the longest); each
+        row keeps what the model confirms, the other columns stay masked."""
+        pool, n, t = self.pool, self.n, self.pool.t
+        width = max(map(len, proposals)) + 1
+        tokens = pool.last[:n].repeat(1, width)
+        pool.mask[:n, t:t + width] = 0
+        for r, proposal in enumerate(proposals):
+            tokens[r, 1:1 + len(proposal)] = torch.tensor(proposal, dtype=torch.long)
+            pool.mask[r, t:t + 1 + len(proposal)] = 1
+        positions = pool.pos[:n] + torch.arange(width, device=tokens.device)
+        logits = self.decoder.verify(tokens, pool.mask[:n, :t + width], positions)  # [n, width, V]
+        greedy = logits.float().argmax(-1).tolist()
+        kept = []
+        for r, (row, proposal) in enumerate(zip(self.rows, proposals)):
+            if row.greedy:
+                tokens = self.speculation.accept(proposal, greedy[r])
+                ends = [j for j, token in enumerate(tokens) if token in row.rules.stop_ids]
+                kept.append(tokens[:ends[0] + 1] if ends else tokens)  # nothing after a stop token
+                if row.request.logprobs is not None:
+                    logprobs.setdefault(row.request.id, []).extend(
+                        top_logprobs(logits[r, j], token, row.request.logprobs) for j, token in enumerate(kept[-1]))
+            else:
+                token = self._choose(row, logits[r, :1], failed, logprobs)
+                kept.append(None if token is None else [token])
+            # this row's columns: its last token and the accepted proposals; the rest masked
+            accepted = 0 if kept[-1] is None else len(kept[-1]) - 1
+            pool.mask[r, t + 1 + accepted:t + width] = 0
+            pool.pos[r] += accepted + 1
+        pool.t += width
+        pool.holes = True
+        self.speculation.steps += 1
+        self._keep(kept, out, finished)
+
+    def _keep(self, kept: list[list[int] | None], out: dict, finished: dict) -> None:
+        """Each row's new tokens (None: its sampling raised, it is in `failed`), in order until it
+        finishes; finished rows leave."""
         done = []
-        for r, (row, token) in enumerate(zip(self.rows, tokens)):
-            if token is None:  # its sampling raised: released, reported in `failed`
+        for r, (row, tokens) in enumerate(zip(self.rows, kept)):
+            if tokens is None:
                 done.append(r)
                 continue
-            self.last[r, 0] = token
-            if self._emit(row, token, out, finished):
+            self.pool.last[r, 0] = tokens[-1]
+            if any(self._emit(row, token, out, finished) for token in tokens):
                 done.append(r)
         for r in reversed(done):
             self._remove(r)
-        if self.n and self._padding() * 2 >= self.t:
-            self._compact()
+        self.pool.tidy()
 
     @staticmethod
     def _choose(row: _Row, logits: torch.Tensor, failed: dict, logprobs: dict) -> int | None:
@@ -325,55 +397,16 @@ class ContinuousBatch:
             return None
 
     def _remove(self, r: int) -> None:
-        last = self.n - 1
-        if r != last:
-            for pool in self.decoder.pool_tensors():
-                self._cols(self._row(pool, r), 0, self.t).copy_(self._cols(self._row(pool, last), 0, self.t))
-            for buf in (self.mask, self.last, self.pos):
-                buf[r] = buf[last]
-            self.rows[r] = self.rows[last]
+        self.pool.remove(r)
+        self.rows[r] = self.rows[-1]
         self.rows.pop()
-        if not self.rows:
-            self.t = 0
-
-    def _padding(self) -> int:
-        """Columns before the first token of every active row."""
-        n, t = self.n, self.t
-        return int(self.mask[:n, :t].argmax(-1).min()) if n else 0
-
-    def _compact(self) -> None:
-        self._shift(-self._padding())
-
-    def _shift(self, by: int) -> None:
-        """Move the columns of every active row `by` to the right (left when negative)."""
-        n, t = self.n, self.t
-        if by == 0:
-            return
-        if n:
-            lo = max(0, -by)  # columns [lo, t) move to [lo + by, t + by)
-            for pool in self.decoder.pool_tensors() + [self.mask]:
-                rows = pool.narrow(self._batch_dim(pool), 0, n)
-                src = self._cols(rows, lo, t).clone()
-                self._cols(rows, lo + by, t + by).copy_(src)
-            if by > 0:
-                self.mask[:n, :by] = 0
-        self.t = t + by
-
-    def _batch_dim(self, tensor) -> int:
-        return 0 if tensor is self.mask else self.decoder.batch_dim
-
-    def _row(self, tensor, i: int) -> torch.Tensor:
-        return tensor.narrow(self._batch_dim(tensor), i, 1)
-
-    def _cols(self, tensor, start: int, end: int) -> torch.Tensor:
-        dim = 1 if tensor.dim() == 2 else self.decoder.time_dim  # the mask is [rows, columns]
-        return tensor.narrow(dim, start, end - start)
 
     def kv_pool_bytes(self) -> int:
-        return tensor_bytes(self.decoder.pool_tensors())
+        return self.pool.nbytes()
 
     def state(self) -> dict:
-        return {"running": self.n, "prefilling": self.held - self.n, "slots": self.slots, "capacity": self.capacity, "columns": self.t,
+        return {"running": self.n, "prefilling": self.held - self.n, "slots": self.slots, "capacity": self.capacity,
+                "columns": self.pool.t,
                 "kv_pool_bytes": self.kv_pool_bytes(),
                 "prefix_cache": self.prefix.stats() if self.prefix else None}
 
@@ -404,5 +437,9 @@ def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_by
     remote = getattr(type(backend), "open_batch", None)
     if remote is not None:
         return remote(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
-    return ContinuousBatch(backend.batch_decoder(slots, capacity), slots, capacity, backend.device,
-                           prefix_cache_bytes, score=backend.logits, max_batched_tokens=max_batched_tokens)
+    decoder = backend.batch_decoder(slots, capacity)  # refuses what it cannot batch
+    spec = getattr(backend, "speculative", None)
+    speculation = RowSpeculation(spec["k"], spec["ngram"]) if spec else None
+    return ContinuousBatch(decoder, slots, capacity, backend.device,
+                           prefix_cache_bytes, score=backend.logits, max_batched_tokens=max_batched_tokens,
+                           speculation=speculation)

@@ -77,14 +77,21 @@ class Metrics:
         self.steps = Counter("mqa_decode_steps", "Engine steps", registry=r)
         self.step_chunk = Histogram("mqa_step_prefill_tokens", "Prompt tokens computed per engine step "
                                     "(chunked prefill)", registry=r, buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
-        self.step_seconds = Histogram("mqa_step_seconds", "Engine step time by phase (the prompt chunks, then "
-                                      "the decode of every running row)", ["phase"], registry=r,
+        self.step_seconds = Histogram("mqa_step_seconds", "Engine step time by phase: prefill (prompt chunks "
+                                      "alone), decode (every running row), mixed (both in one forward)",
+                                      ["phase"], registry=r,
                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.prefix_lookups = Counter("mqa_prefix_cache_lookups", "Prompts looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("mqa_prefix_cache_hits", "Prompts that reused a cached prefix", registry=r)
         self.prefix_reused = Counter("mqa_prefix_cache_reused_tokens", "Prompt tokens not recomputed", registry=r)
         self.prefix_bytes = Gauge("mqa_prefix_cache_bytes", "Bytes of cached prefix KV (per rank)", registry=r)
         self.prefix_hit_rate = Gauge("mqa_prefix_cache_hit_rate", "Hits / lookups since start", registry=r)
+        self.spec_steps = Counter("mqa_spec_decode_steps", "Engine steps that verified proposals", registry=r)
+        self.spec_drafted = Counter("mqa_spec_decode_draft_tokens", "Tokens proposed (prompt lookup)", registry=r)
+        self.spec_accepted = Counter("mqa_spec_decode_accepted_tokens", "Proposed tokens the model confirmed",
+                                     registry=r)
+        self.spec_rate = Gauge("mqa_spec_decode_acceptance_ratio", "Accepted / proposed since start", registry=r)
+        self._spec_seen = {"steps": 0, "drafted": 0, "accepted": 0}
         self._window: deque[tuple[float, int]] = deque()
         self._prefix_seen = {"lookups": 0, "hits": 0, "reused_tokens": 0}
 
@@ -97,6 +104,14 @@ class Metrics:
         self.prefix_bytes.set(stats["cached_bytes"])
         self.prefix_hit_rate.set(stats["hits"] / stats["lookups"] if stats["lookups"] else 0.0)
 
+    def speculative(self, stats: dict) -> None:
+        """The engine's cumulative speculation counts -> counters and the acceptance gauge."""
+        for key, counter in (("steps", self.spec_steps), ("drafted", self.spec_drafted),
+                             ("accepted", self.spec_accepted)):
+            counter.inc(stats[key] - self._spec_seen[key])
+            self._spec_seen[key] = stats[key]
+        self.spec_rate.set(stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0)
+
     def prefill(self, total: int) -> None:
         """The engine's running count of computed prompt tokens -> the counter."""
         self.prefill_tokens.inc(max(total - self._prefill_seen, 0))
@@ -105,10 +120,8 @@ class Metrics:
     def step(self, now: float, new_tokens: int, result: dict) -> None:
         self.steps.inc()
         self.step_chunk.observe(result.get("chunk_tokens", 0))
-        if result.get("chunk_tokens"):
-            self.step_seconds.labels("prefill").observe(result["prefill_s"])
-        if "decode_s" in result:
-            self.step_seconds.labels("decode").observe(result["decode_s"])
+        for phase, seconds in result.get("step_s", {}).items():
+            self.step_seconds.labels(phase).observe(seconds)
         self.tokens.inc(new_tokens)
         self._window.append((now, new_tokens))
         while self._window and now - self._window[0][0] > 10.0:
@@ -255,6 +268,8 @@ class Scheduler:
             self.metrics.prefill(result.get("prefill_tokens", 0))
             if "prefix_cache" in result:
                 self.metrics.prefix_cache(result["prefix_cache"])
+            if "speculative" in result:
+                self.metrics.speculative(result["speculative"])
             self.metrics.running.set(len(self._running))
             self.metrics.slots_used.set(len(self._running))
             self.metrics.usage.set(len(self._running) / self.slots)
