@@ -1,6 +1,7 @@
 # Two commands: `make compare` (the main job) and `make test`. Both set up .venv first.
 # `make peers` (opt-in) builds llama.cpp for the llama.cpp peer backend (scripts/build_llamacpp.sh).
-# `make clients` (opt-in) installs third-party clients the server tests run (lm-evaluation-harness).
+# `make clients` (opt-in) installs third-party clients the server tests run: lm-evaluation-harness in
+# .venv; the benchmark clients aiperf and guidellm each in a venv of its own (their pins clash with ours).
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -37,11 +38,16 @@ compare: setup
 peers: setup
 	PY=$(CURDIR)/$(PY) scripts/build_llamacpp.sh
 
-clients: $(VENV)/.clients-done
+clients: $(VENV)/.clients-done .venv-aiperf/.done .venv-guidellm/.done
 
 $(VENV)/.clients-done: requirements-clients.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-clients.txt
 	@touch $@
 
+.venv-%/.done: requirements-%.txt
+	@test -x .venv-$*/bin/python || python3.11 -m venv .venv-$* || python3 -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q -r $<
+	@touch $@
+
 clean:
-	rm -rf $(VENV) .cache results checkpoints
+	rm -rf $(VENV) .venv-aiperf .venv-guidellm .cache results checkpoints

@@ -101,10 +101,11 @@ def test_chunked_prefill_matches_generate_alone(tiny_dir, tokenizer, name):
     assert all(phases == ({"mixed"} if name == "deepspeed" else {"prefill", "decode"}) for phases in both), both
 
 
-def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer):
+def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer, monkeypatch):
     """Greedy rows propose by prompt lookup and keep what the model confirms; sampled rows and a row
     with a penalty decode one token a step beside them; the 64-column pool packs the rejected
     columns away. Every request equals plain `generate` alone, and proposals were accepted."""
+    monkeypatch.setenv("PLUGINS_SPECULATION", "always")  # whatever this machine would measure
     ckpt = ckpt_factory("tiny")
     plain = load_backend("deepspeed", ckpt, dtype="float32")
     spec = load_backend("deepspeed", ckpt, dtype="float32", speculative={"draft": "prompt-lookup", "k": 4})
@@ -121,6 +122,29 @@ def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_fact
     stats = steps[-1][3]
     assert stats["steps"] > 0 and stats["accepted"] > 0, stats
     assert max(rows for rows, *_ in steps) == SLOTS
+
+
+def test_speculation_stays_on_only_where_it_measured_faster():
+    from plugins.serving.speculation import PROBE_EVERY, RowSpeculation
+
+    spec = RowSpeculation(always=False)
+    assert spec.wanted(3)                      # nothing measured at 3-4 rows: verify first
+    spec.observe(3, True, tokens=4, seconds=1.0)
+    assert not spec.wanted(4)                  # then a plain step
+    spec.observe(4, False, tokens=4, seconds=0.5)
+    assert not spec.wanted(3)                  # 4 tok/s verifying against 8 plain: plain
+    for _ in range(PROBE_EVERY - 1):
+        spec.observe(4, False, tokens=4, seconds=0.5)
+    assert spec.wanted(4)                      # measured again after PROBE_EVERY plain steps
+    spec.observe(4, True, tokens=5, seconds=1.0)
+    for _ in range(PROBE_EVERY):
+        spec.observe(4, False, tokens=4, seconds=0.5)
+    assert not spec.wanted(4)                  # it lost again: the next try waits twice as long
+    for _ in range(PROBE_EVERY):
+        spec.observe(4, False, tokens=4, seconds=0.5)
+    assert spec.wanted(4)
+    spec.observe(4, True, tokens=80, seconds=1.0)
+    assert spec.wanted(4) and spec.wanted(1)   # faster now at 4 rows; 1 row never measured
 
 
 def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenizer):
@@ -163,7 +187,7 @@ def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, 
     schedule = requests(tokenizer)[:6]
     with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
         _, out, _ = run(backend, schedule)
-        _, chunked, _ = run(backend, schedule, budget=8)  # prompts in chunks of <= 8 tokens on every rank
+        _, chunked, _ = run(backend, schedule, budget=16)  # prompts in chunks of <= 16 tokens on every rank
         for _, request in schedule:
             assert out[request.id] == chunked[request.id] == alone(backend, request)
         # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards

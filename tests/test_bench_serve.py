@@ -126,3 +126,29 @@ def test_n_choices_bench_prefills_once_and_samples_as_separate_requests(ckpt_fac
     assert result["n"]["generation_tokens"] == result["separate"]["generation_tokens"] == 4 * 6
     assert result["same_samples"]  # choice j of n is request j alone (seed + j), fp32
     assert result["passk"]["choices"] == 4 and result["passk"]["prefill_tokens"] == 2 * 32
+
+
+def test_chunked_prefill_bench_keeps_every_step_within_its_budget(ckpt_factory, tmp_path):
+    from plugins.bench import chunked
+
+    out = tmp_path / "chunked"
+    assert chunked.main([str(ckpt_factory("tiny")), "--dtype", "float32", "--budgets", "0", "16", "--streams", "2",
+                         "--stream-prompt", "16", "--stream-tokens", "12", "--long", "2", "--long-prompt", "64",
+                         "--long-gap", "0.2", "--kv-budget", "64MB", "--out", str(out)]) == 0
+    off, chunked16 = json.loads((out / "chunked.json").read_text())["results"]
+    assert off["errors"] == chunked16["errors"] == []
+    # whole prompts: one step per long prompt; budget 16: a 64-token prompt takes >= 4 steps
+    assert chunked16["mixed_steps"] + chunked16["prefill_steps"] >= 2 * 64 / 16
+    assert off["itl_p50_s"] > 0 and chunked16["long_ttft_p50_s"] > 0
+
+
+def test_speculation_bench_reports_acceptance_only_where_it_speculates(ckpt_factory, tmp_path):
+    from plugins.bench import speculation
+
+    out = tmp_path / "spec"
+    assert speculation.main([str(ckpt_factory("tiny")), "--dtype", "float32", "--sets", "plain", "lookup",
+                             "--streams", "1", "--prompt-len", "32", "--max-tokens", "12", "--rows", "1", "2",
+                             "--kv-budget", "64MB", "--out", str(out)]) == 0
+    result = json.loads((out / "speculation.json").read_text())
+    assert result["served"]["plain"]["1"]["drafted"] == 0 and result["served"]["lookup"]["1"]["drafted"] > 0
+    assert set(result["verify_cost"]) == {"1", "2"} and all(c["verify_s"] > 0 for c in result["verify_cost"].values())

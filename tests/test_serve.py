@@ -231,9 +231,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits(ckpt, tokenizer):
     assert result["answer"].choices[0].finish_reason in ("length", "stop")
 
 
-def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, tokenizer):
+def test_tp2_server_with_chunked_prefill_matches_generate_alone_and_leaves_no_worker(ckpt_factory, tokenizer):
     ckpt = ckpt_factory("tiny-mha")
-    server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB")
+    # prompts of 5-29 tokens in chunks of <= 8, on both ranks
+    server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB", "--max-num-batched-tokens", "8")
     try:
         workers = descendants(server.proc.pid)
         assert len(workers) >= 2
@@ -250,6 +251,9 @@ def test_tp2_server_matches_generate_alone_and_leaves_no_worker(ckpt_factory, to
         for i, text in enumerate(texts):
             length, max_tokens = PROMPTS[i]
             assert text == expected_text(engine, tokenizer, tokenizer.encode(prompt_text(tokenizer, i, length)).ids, max_tokens)[0]
+        # no step computed more than 8 prompt tokens, and the prompts' 8 x ~17 tokens took many steps
+        assert server.metric('mqa_step_prefill_tokens_bucket{le="16.0"}') == server.metric("mqa_step_prefill_tokens_count")
+        assert server.metric("mqa_step_prefill_tokens_count") - server.metric('mqa_step_prefill_tokens_bucket{le="0.0"}') >= 10
     finally:
         assert server.stop() == 0, server.output()
     deadline = time.monotonic() + 10

@@ -68,7 +68,9 @@ ENGINES = [("megatron", [], {}),
 
 
 @pytest.mark.parametrize("backend,flags,options", ENGINES, ids=["megatron", "int8", "int4-lookup", "lookup"])
-def test_chunked_prefill_and_engine_options_match_generate_alone(ckpt, tokenizer, backend, flags, options):
+def test_chunked_prefill_and_engine_options_match_generate_alone(ckpt, tokenizer, backend, flags, options,
+                                                                 monkeypatch):
+    monkeypatch.setenv("PLUGINS_SPECULATION", "always")  # verify at every step, whatever this machine measures
     server = Server(ckpt, "--backend", backend, "--max-num-batched-tokens", str(BUDGET), *flags)
     try:
         ids = prompts(tokenizer)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.bench.load import ServerProcess, http_client, served_model
+from plugins.bench.load import ServerProcess, http_client, results_dir, served_model
 from plugins.serving.args import add_engine_args
 
 
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
     from plugins.core.tokenizer import checkpoint_tokenizer, prompt_token_ids
 
     tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or Path("results") / f"choices-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "choices")
     slots = max(args.n, args.passk_n)
     longest = max(args.prompt_len + args.max_tokens, args.prompt_len + args.passk_max_tokens)
     server = ServerProcess(argparse.Namespace(**{**vars(args), "requests": args.passk_prompts * args.passk_n,

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.bench.load import Req, ServerProcess, http_client, open_connections, percentile, served_model, stream_one
+from plugins.bench.load import (Req, ServerProcess, http_client, make_requests, open_connections, percentile, results_dir,
+                                served_model, stream_one)
 from plugins.serving.args import add_engine_args
 
 
@@ -125,12 +126,10 @@ def run_budget(args, budget: int, streams: list[Req], longs: list[Req], out: Pat
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from plugins.bench.load import make_requests
     from plugins.core.tokenizer import checkpoint_tokenizer
 
     tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
-    out = args.out or Path("results") / f"chunked-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "chunked")
     streams = make_requests(tok, args.stream_prompt, [args.stream_tokens] * args.streams)
     longs = [Req(100 + r.index, r.prompt, r.prompt_ids, r.max_tokens)
              for r in make_requests(tok, args.long_prompt, [args.long_tokens] * (args.streams + args.long))[args.streams:]]

@@ -28,6 +28,13 @@ STOP_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 1800.0
 
 
+def results_dir(out: Path | None, name: str) -> Path:
+    """`out`, or results/<name>-<timestamp>; made now."""
+    out = out or Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def percentile(values, q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
     if not values:

@@ -81,6 +81,16 @@ class InjectedDecoder(HFDecoder):
                                                                          self.packs)
         return logits[:n], [logits[n + i:n + i + 1] for i in range(len(chunks))]
 
+    def verify(self, tokens, attention_mask, position_ids):
+        """Logits of several new tokens per row [n, w, V] in one batched forward (the server's
+        speculative verify): the linears as for n * w rows, attention under a causal + padding mask.
+        Cheaper than `forward_tokens` by the batch's GEMMs, at the price of its exactness: where a
+        rung's kernels are not row-invariant (bf16 on AMX), a near-tie may break the other way than a
+        one-token step would."""
+        w, length = tokens.shape[1], attention_mask.shape[1]
+        causal = torch.ones(w, length, dtype=torch.bool, device=tokens.device).tril(length - w)
+        return self._step(tokens, position_ids, attention_mask.bool()[:, None, None, :] & causal)
+
     def forward_tokens(self, tokens, attention_mask, position_ids):
         """Logits of several new tokens (a speculative verify): every row computed with the arithmetic of
         a one-token step (row-invariant linears, one attention per token), so the verified tokens are

@@ -311,7 +311,7 @@ class ContinuousBatch:
     def _decode(self, out: dict, finished: dict, failed: dict, logprobs: dict, chunks=None) -> list | None:
         """One decode step of every row; with `chunks`, in one forward with those prompt chunks
         (`BatchDecoder.mixed`), whose (logits, KV) it returns."""
-        pool = self.pool
+        pool, n, start = self.pool, self.n, time.perf_counter()
         proposals = None if chunks or not self.speculation else self.speculation.proposals(self.rows)
         if proposals is not None:
             width = max(map(len, proposals))
@@ -321,10 +321,11 @@ class ContinuousBatch:
             elif fits < width:
                 proposals = [p[:fits] for p in proposals]
         if proposals is not None:
-            self._speculate(proposals, out, finished, failed, logprobs)
+            made = self._speculate(proposals, out, finished, failed, logprobs)
+            self.speculation.observe(n, True, made, time.perf_counter() - start)
             return None
         pool.room(1)
-        n, t = self.n, pool.t
+        t = pool.t
         pool.mask[:n, t] = 1
         if chunks:
             logits, chunked = self.decoder.mixed(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n], chunks)
@@ -337,11 +338,13 @@ class ContinuousBatch:
         else:
             tokens = [self._choose(row, logits[r:r + 1], failed, logprobs) for r, row in enumerate(self.rows)]
         self._keep([[token] for token in tokens], out, finished)
+        if self.speculation and not chunks:
+            self.speculation.observe(n, False, n, time.perf_counter() - start)
         return chunked
 
-    def _speculate(self, proposals: list[list[int]], out: dict, finished: dict, failed: dict, logprobs: dict) -> None:
+    def _speculate(self, proposals: list[list[int]], out: dict, finished: dict, failed: dict, logprobs: dict) -> int:
         """One verify forward of every row's next token and its proposals (padded to the longest); each
-        row keeps what the model confirms, the other columns stay masked."""
+        row keeps what the model confirms, the other columns stay masked. Returns the tokens kept."""
         pool, n, t = self.pool, self.n, self.pool.t
         width = max(map(len, proposals)) + 1
         tokens = pool.last[:n].repeat(1, width)
@@ -372,6 +375,7 @@ class ContinuousBatch:
         pool.holes = True
         self.speculation.steps += 1
         self._keep(kept, out, finished)
+        return sum(len(k) for k in kept if k)
 
     def _keep(self, kept: list[list[int] | None], out: dict, finished: dict) -> None:
         """Each row's new tokens (None: its sampling raised, it is in `failed`), in order until it
