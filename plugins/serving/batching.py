@@ -123,7 +123,7 @@ class _Prefill:
 
     requests: list[BatchRequest]
     done: int = 0                      # prompt columns computed or taken from the prefix cache
-    kv: list[torch.Tensor] | None = None  # their K and V (pool layout, `done` columns)
+    kv: list[torch.Tensor] | None = None  # their K and V (pool layout, `done` columns; None while done == 0)
     logits: torch.Tensor | None = None    # of the last computed position
     started: bool = False
 
@@ -198,7 +198,7 @@ class ContinuousBatch:
         phases = {}
         if plan and self.rows and getattr(self.decoder, "fuses_chunks", False):
             # one forward: every row's decode step and the chunks (weights read once)
-            chunks = [(self._ids(fill.prompt[:end]), fill.kv if fill.done else None) for fill, end in plan]
+            chunks = [(self._ids(fill.prompt[:end]), fill.kv) for fill, end in plan]
             for (fill, end), (logits, kv) in zip(plan, self._decode(out, finished, failed, logprobs, chunks)):
                 self._advance(fill, end, logits, kv)
             phases["mixed"] = time.perf_counter() - start
@@ -206,7 +206,7 @@ class ContinuousBatch:
         else:
             for fill, end in plan:
                 try:
-                    logits, kv = self.decoder.prefill_alone(self._ids(fill.prompt[:end]), fill.kv if fill.done else None)
+                    logits, kv = self.decoder.prefill_alone(self._ids(fill.prompt[:end]), fill.kv)
                 except Exception as exc:  # these requests alone
                     self.filling.remove(fill)
                     for request in fill.requests:
