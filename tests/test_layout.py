@@ -33,7 +33,8 @@ LEVELS = {
     "plugins.peers": 5,
     "plugins.bench": 6,
     "plugins.serve": 6,
-    "scripts": 7,
+    "plugins.fleet": 7,
+    "scripts": 8,
 }
 # Found by name at run time, never imported by the layers below them (plugins.engine.registry).
 REGISTRY = ("plugins.engine.registry", "plugins.dist.worker")

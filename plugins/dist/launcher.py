@@ -286,7 +286,8 @@ class RemoteBatch:
 
 
 def _threads_per_rank(nproc: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """The cores this process may run on (a fleet pins each replica to its share), split over the ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
 
 
 def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:

@@ -2,7 +2,8 @@
 `/v1/chat/completions` (plugins.serve.chat),
 TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), Ollama's `/api/generate` and
 `/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize` and
-`/tokenizer_info`, `/v1/models`, `/health`, Prometheus `/metrics`.
+`/tokenizer_info`, `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load` (requests held, for
+routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
         state = sched.state()
         status = 503 if state["error"] else 200
         return JSONResponse({"status": "ok" if status == 200 else "error", **state}, status_code=status)
+
+    @app.get("/get_load")
+    async def load():
+        state = sched.state()
+        return {"load": state["running"] + state["waiting"], "num_reqs": state["running"],
+                "num_waiting_reqs": state["waiting"]}
 
     @app.get("/metrics")
     async def metrics():
