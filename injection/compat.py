@@ -149,6 +149,9 @@ def mha_bigcode_qkv_as_bloom(enabled: bool):
 #    unlinks it: every TP run leaves 67 MB per rank in /dev/shm (RAM) until reboot. Once every rank
 #    has mapped every segment (a barrier after upstream's init), each rank unlinks its own name;
 #    the mappings stay valid and the memory is freed when the last rank exits.
+#    With ranks on several machines (LOCAL_SIZE < world size) upstream skips shm_initialize, yet
+#    TorchBackend.inference_all_reduce (the MLP's all-reduce) still runs the shm kernel on segments
+#    that were never made; a vector level of 0 sends it down upstream's own process-group path.
 def shm_segment(rank: int) -> str:
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
@@ -157,7 +160,9 @@ def shm_segment(rank: int) -> str:
 def _torch_backend_init(self, *args, **kwargs):
     UPSTREAM["TorchBackend.__init__"](self, *args, **kwargs)
     world = self.get_world_size()
-    if self.shm_comm_op is not None and world == int(os.environ.get("LOCAL_SIZE", 0) or 0):
+    if world != int(os.environ.get("LOCAL_SIZE", 0) or 0):
+        self.shm_vector_kernel_level = 0
+    elif self.shm_comm_op is not None:
         torch.distributed.barrier()
         try:
             os.unlink(os.path.join("/dev/shm", shm_segment(self.get_rank())))

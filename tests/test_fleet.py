@@ -195,3 +195,20 @@ def test_a_killed_replica_fails_its_streams_alone_and_the_router_routes_around_i
         complete(fleet.url, model, prompt_token_ids(tokenizer, 10, 70 + i), 3)
     assert counters([survivor])["mqa_prompt_tokens_total"] == before + 60
     assert f"replica {victim} ({fleet.workers[victim]}) exited with code -9" in fleet.output()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--replicas", "0"], "nothing to route to"),
+    (["--replicas", "2"], "--replicas needs the CHECKPOINT"),
+    (["CKPT", "--tp", "3"], "mqa-serve: error: tp_size 3 does not divide n_head 4"),
+    (["CKPT", "--port", "1", "--max-model-len", "99999"], "--max-model-len must be in"),
+    (["CKPT", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--tp", "2"], "spread TP over machines"),
+    (["--replicas", "0", "--workers", "127.0.0.1:1"], "takes URLs"),
+])
+def test_bad_fleet_flags_fail_before_any_replica_starts(long_ckpt, argv, message, capsys):
+    from plugins.fleet.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(long_ckpt) if a == "CKPT" else a for a in argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -221,3 +221,22 @@ def test_injected_qkv_shard_rule():
     assert qkv_rows(mha, 1, 2).tolist() == list(range(96, 192))
     with pytest.raises(ValueError, match="does not divide n_head"):
         qkv_rows(mqa, 0, 3)
+
+
+def test_upstream_inference_all_reduce_runs_the_shm_kernel_unless_its_vector_level_is_low():
+    """What compat patch 5 relies on across machines (upstream inits no shm segment when LOCAL_SIZE < world
+    size, yet its inference_all_reduce would still run the shm kernel); fails if upstream changes this."""
+    import inspect
+
+    from deepspeed.comm.torch import TorchBackend
+
+    source = inspect.getsource(TorchBackend.inference_all_reduce)
+    assert "getattr(self, 'shm_vector_kernel_level', 0) >= required_level" in source
+    assert "torch.distributed.all_reduce(" in source
+    assert "if (size >= 1 && size == ls) { all_ranks_local_p = true; }" in _shm_interface_source()
+
+
+def _shm_interface_source() -> str:
+    import deepspeed
+
+    return (Path(deepspeed.__file__).parent / "ops/csrc/cpu/comm/shm_interface.cpp").read_text()

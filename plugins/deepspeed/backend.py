@@ -56,8 +56,10 @@ class DeepSpeedBackend(HFModelBackend):
     def from_hf(cls, hf_dir: str | Path, dtype="float32", tp_size: int = 1, device: str | None = None,
                 max_out_tokens: int | None = None, launcher: str = "torchrun", kv_layout: str = "head",
                 quantize: str | None = None, quantize_lm_head: bool = False, compile: bool = False,
-                speculative: dict | None = None, timeout_s: float = 600.0, env: dict | None = None):
-        """launcher, timeout_s, env: how the ranks of tp_size > 1 are started (plugins.dist.launcher)."""
+                speculative: dict | None = None, timeout_s: float = 600.0, env: dict | None = None,
+                nnodes: int = 1, rdzv_endpoint: str | None = None):
+        """launcher, timeout_s, env, nnodes, rdzv_endpoint: how the ranks of tp_size > 1 are started
+        (plugins.dist.launcher)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         resolved = resolve_dtype(dtype, device)
         if "int4" in (quantize, (speculative or {}).get("draft")) and device != "cpu":
@@ -77,7 +79,8 @@ class DeepSpeedBackend(HFModelBackend):
                 announce("first tensor-parallel run on this machine: DeepSpeed compiles its shared-memory "
                          "all-reduce (~40 s, minutes on a busy machine)...")
             return RemoteBackend(cls.name, hf_dir, dtype=dtype, tp_size=tp_size, launcher=launcher,
-                                 timeout_s=timeout_s, env=env, max_out_tokens=max_out_tokens, kv_layout=kv_layout)
+                                 timeout_s=timeout_s, env=env, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                                 max_out_tokens=max_out_tokens, kv_layout=kv_layout)
         if tp_size > 1 and device == "cpu" and "LOCAL_SIZE" not in os.environ:
             raise ConfigError("DeepSpeed TP on CPU needs LOCAL_SIZE (ranks on this machine): launch with "
                               f"`LOCAL_SIZE={tp_size} torchrun --nproc_per_node {tp_size} ...` or "

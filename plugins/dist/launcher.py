@@ -36,16 +36,26 @@ from pathlib import Path
 from plugins.core.atomic import process_alive
 from plugins.core.config import REPO_ROOT, ConfigError
 from plugins.core.tensors import check_inputs
-from plugins.dist.worker import ADDRESS_ENV, TIMEOUT_ENV, die_with_parent, exit_note, recv, send
+from plugins.dist.worker import ADDRESS_ENV, FRONT_ENV, TIMEOUT_ENV, die_with_parent, exit_note, recv, send
 
 
 
-def launch_command(launcher: str, nproc: int) -> list[str]:
-    """The command that starts `nproc` ranks of this module's worker loop on this machine.
+def launch_command(launcher: str, nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None) -> list[str]:
+    """The command that starts `nproc` ranks of this module's worker loop on this machine, or this
+    machine's `nproc // nnodes` of them when `nnodes` machines meet at torchrun's c10d rendezvous.
 
     Run as a module, not as a file: a script's folder goes first on sys.path, and
     plugins/megatron would then shadow the real `megatron` package.
     """
+    if nnodes > 1:
+        if launcher != "torchrun":
+            raise ValueError(f"ranks on several machines start with torchrun, not {launcher!r}")
+        if nproc % nnodes or not rdzv_endpoint:
+            raise ValueError(f"{nproc} ranks over {nnodes} machines need nnodes to divide them and a rendezvous "
+                             "endpoint HOST:PORT")
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                f"--nproc-per-node={nproc // nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                "-m", "plugins.dist.worker"]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "-m", "plugins.dist.worker"]
@@ -82,8 +92,9 @@ class RemoteBackend:
     """A `Backend` whose ranks run in worker processes; results are rank 0's."""
 
     def __init__(self, name: str, path, dtype="float32", tp_size: int = 2, method: str = "from_hf",
-                 launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, **options):
-        command = launch_command(launcher, tp_size)
+                 launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, nnodes: int = 1,
+                 rdzv_endpoint: str | None = None, **options):
+        command = launch_command(launcher, tp_size, nnodes, rdzv_endpoint)
         self._lock = threading.Lock()  # one call at a time: answers come back in order on one socket
         self.tp_size, self._what, self._pids = tp_size, name, []
         self.timeout_s = timeout_s
@@ -93,10 +104,7 @@ class RemoteBackend:
         server.bind(str(self._dir / "sock"))
         server.listen(1)
         server.settimeout(0.2)
-        worker_env = {**os.environ, "LOCAL_SIZE": str(tp_size), "OMP_NUM_THREADS": str(_threads_per_rank(tp_size)),
-                      ADDRESS_ENV: str(self._dir / "sock"), TIMEOUT_ENV: str(timeout_s),
-                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-                      **(env or {})}
+        worker_env = {**_worker_env(tp_size // nnodes, self._dir, timeout_s), FRONT_ENV: "1", **(env or {})}
         if launcher == "process":  # a caller that is itself a rank must not pass its place in a group on
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
                 worker_env.pop(key, None)
@@ -117,7 +125,8 @@ class RemoteBackend:
             server.close()
         self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
         self.kv_layout = info["kv_layout"]  # part of the contract, a class default on the engines
-        self._pids = info.get("pids", [])  # rank r's process id
+        host = socket.gethostname()  # rank r's process id where it runs here (others: their collectives fail)
+        self._pids = [pid if on == host else None for on, pid in info.get("pids", [])]
         for key, value in info["attributes"].items():  # the engine's plain settings (e.g. compute_type)
             if key not in vars(self) and not hasattr(type(self), key):
                 setattr(self, key, value)
@@ -138,7 +147,7 @@ class RemoteBackend:
     def _dead_ranks(self) -> list[int]:
         """Ranks no longer running, the cause first: one that died abruptly (SIGKILL, a crash) left no
         exit note, while the ranks it took down (a collective failed, torchrun stopped them) did."""
-        dead = [r for r, pid in enumerate(self._pids) if not process_alive(pid)]
+        dead = [r for r, pid in enumerate(self._pids) if pid is not None and not process_alive(pid)]
         return sorted(dead, key=lambda r: exit_note(self._dir, r) != "")
 
     def _rank_name(self, rank: int) -> str:
@@ -283,6 +292,30 @@ class RemoteBatch:
 
     def state(self) -> dict:
         return self._remote.call("__batch_state__")
+
+
+def _worker_env(local_ranks: int, tmp_dir: Path, timeout_s: float) -> dict:
+    return {**os.environ, "LOCAL_SIZE": str(local_ranks), "OMP_NUM_THREADS": str(_threads_per_rank(local_ranks)),
+            ADDRESS_ENV: str(tmp_dir / "sock"), TIMEOUT_ENV: str(timeout_s),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def join_group(tp_size: int, nnodes: int, rdzv_endpoint: str, timeout_s: float = 600.0) -> int:
+    """This machine's ranks of a tensor-parallel group whose front (calls, HTTP) runs on another machine
+    (`mqa-serve --node-rank R > 0`): they join the rendezvous, load what the front asks and follow its
+    calls until it closes them. Returns torchrun's exit code (0: the front closed the group)."""
+    command = launch_command("torchrun", tp_size, nnodes, rdzv_endpoint)
+    tmp_dir = Path(tempfile.mkdtemp(prefix="plugins-launcher-"))  # this machine's ranks' exit notes
+    proc = subprocess.Popen(command, env=_worker_env(tp_size // nnodes, tmp_dir, timeout_s), start_new_session=True,
+                            preexec_fn=partial(die_with_parent, signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.killpg(proc.pid, signal.SIGTERM))
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(proc, tmp_dir)
 
 
 def _threads_per_rank(nproc: int) -> int:

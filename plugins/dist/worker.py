@@ -1,6 +1,8 @@
 """The worker side of plugins.dist.launcher: what torchrun / deepspeed (or one plain process) run
-in every rank. Rank 0 connects back to the parent's socket, receives each call and broadcasts it;
-every rank runs it on its shard of the engine; rank 0 answers with its result or the tracebacks.
+in every rank. The front rank (local rank 0 of the machine whose parent serves, rank 0 on one machine)
+connects back to the parent's socket, receives each call and broadcasts it; every rank runs it on its
+shard of the engine; the front answers with its result or the tracebacks. Ranks on other machines
+(`mqa-serve --node-rank R > 0`) only follow the front's calls.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import os
 import pickle
 import signal
+import socket
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
@@ -25,6 +28,7 @@ from plugins.serving.batching import open_batch
 PR_SET_PDEATHSIG = 1
 ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
 TIMEOUT_ENV = "PLUGINS_LAUNCHER_TIMEOUT"
+FRONT_ENV = "PLUGINS_LAUNCHER_FRONT"  # "1" on the machine whose parent process takes the calls
 
 
 def in_worker() -> bool:
@@ -84,32 +88,39 @@ def worker_main() -> None:
     if group and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
-    pids = [os.getpid()]  # rank r's process id, for the parent's liveness checks
+    front_here = os.environ.get(FRONT_ENV) == "1" and os.environ.get("LOCAL_RANK", "0") == "0"
+    here = (socket.gethostname(), os.getpid(), front_here)
+    ranks = [here]  # rank r's (host, process id, front?), for the parent's liveness checks
     if group:
-        pids = [None] * world
-        dist.all_gather_object(pids, os.getpid())
+        ranks = [None] * world
+        dist.all_gather_object(ranks, here)
+    fronts = [r for r, (_, _, front) in enumerate(ranks) if front]
+    if len(fronts) != 1:
+        raise RuntimeError(f"{len(fronts)} ranks on a front machine (node rank 0) in a group of {world}; "
+                           "exactly one mqa-serve --node-rank 0 may join a rendezvous")
+    pids = [(host, pid) for host, pid, _ in ranks]
     # Exit note: written when this rank leaves through Python (an exception) or on SIGTERM (faulthandler's
     # C-level handler, then the default action), never when it is killed or crashes: the parent tells cause
     # from consequence by it.
     note = open(exit_note_path(Path(os.environ[ADDRESS_ENV]).parent, rank), "w")
     faulthandler.register(signal.SIGTERM, file=note, all_threads=False, chain=True)
     try:
-        _serve(rank, world, group, pids)
+        _serve(rank, world, group, pids, fronts[0])
     except BaseException as exc:
         note.write(f"{type(exc).__name__}: {exc}\n")
         note.flush()
         raise
 
 
-def _serve(rank: int, world: int, group: bool, pids: list) -> None:
+def _serve(rank: int, world: int, group: bool, pids: list, front: int) -> None:
     import torch.distributed as dist
 
-    conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == 0 else None
+    conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == front else None
     backend = batch = None
     while True:
-        request = [recv(conn) if rank == 0 else None]
+        request = [recv(conn) if rank == front else None]
         if group:
-            dist.broadcast_object_list(request, src=0)
+            dist.broadcast_object_list(request, src=front)
         method, args, kwargs = request[0]
         if method == "__close__":
             break
@@ -134,7 +145,7 @@ def _serve(rank: int, world: int, group: bool, pids: list) -> None:
         if group:
             errors = [None] * world
             dist.all_gather_object(errors, error)
-        if rank == 0:
+        if rank == front:
             failed = [(r, e) for r, e in enumerate(errors) if e]
             if not failed:
                 send(conn, ("ok", result))

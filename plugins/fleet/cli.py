@@ -28,7 +28,8 @@ from plugins.fleet.replicas import (ROUTER_POLICIES, Child, Fleet, FleetError, c
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(prog="mqa-fleet", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  usage="mqa-fleet [CHECKPOINT] [--replicas N] [--port P] [options] "
                                        "[mqa-serve options]")
     ap.add_argument("checkpoint_dir", type=Path, nargs="?", help="the checkpoint every replica serves")
@@ -57,12 +58,17 @@ def parse_args(argv=None):
         if not url.startswith(("http://", "https://")):
             ap.error(f"--workers takes URLs such as http://HOST:PORT, got {url!r}")
     if args.replicas:
+        from plugins.serve.cli import check_args
         from plugins.serve.cli import parse_args as serve_parse_args
 
         for flag in ("--host", "--port"):  # the replicas' own: chosen here
             if any(a == flag or a.startswith(flag + "=") for a in serve_args):
                 ap.error(f"{flag} is the router's here; replicas listen on free ports of 127.0.0.1")
-        serve_parse_args([str(args.checkpoint_dir), *serve_args])  # mqa-serve's own checks, its own message
+        serve_ap, serve = serve_parse_args([str(args.checkpoint_dir), *serve_args])
+        if serve.nnodes > 1:
+            ap.error("a fleet's replicas run on this machine; spread TP over machines with mqa-serve --nnodes "
+                     "and route to it with --workers")
+        check_args(serve_ap, serve)  # mqa-serve's own checks and messages, before any replica starts
     elif serve_args:
         ap.error(f"unrecognized arguments: {' '.join(serve_args)} (mqa-serve options need --replicas)")
     return ap, args, serve_args

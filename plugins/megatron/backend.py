@@ -26,11 +26,11 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s")  # how ranks are started (plugins.dist.launcher)
+LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s", "nnodes", "rdzv_endpoint")  # how ranks are started (plugins.dist.launcher)
 
 
 def _no_options(options: dict) -> None:
-    """Launcher options (launcher, env, timeout_s) only mean something when ranks are started."""
+    """Launcher options (LAUNCHER_OPTIONS) only mean something when ranks are started."""
     if options:
         raise ConfigError(f"unexpected option(s) {', '.join(sorted(options))} for an in-process model")
 

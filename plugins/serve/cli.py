@@ -3,6 +3,8 @@ Run as `mqa-serve`, `python -m plugins.serve` or `scripts/serve.py`.
 
   mqa-serve checkpoints/santacoder-1b --backend deepspeed --dtype bfloat16 --kv-budget 2GB
   mqa-serve /tmp/tiny --backend megatron --tp 2 --port 8001
+  mqa-serve ckpt --tp 4 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400   # HTTP here, 2 ranks here
+  mqa-serve ckpt --tp 4 --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400   # on node1: its 2 ranks
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "santacoder-1b", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
@@ -15,6 +17,11 @@ What a client can hold is bounded: a request must arrive whole (headers and body
 --keep-alive-timeout. SIGTERM: no new requests; running ones get --graceful-timeout seconds, then
 end with an error body (an error event for streams). If the engine fails (a tensor-parallel rank
 died), /health turns 503 at once, every request gets one short error, and the server exits with 1.
+
+Tensor parallelism across machines: every machine runs mqa-serve with the same --tp, --nnodes and
+--rdzv-endpoint (torchrun's c10d rendezvous, flag names as torchrun's); node rank 0 serves HTTP and
+loads what every rank loads (the checkpoint must be at the same path on every machine), the others
+only run their --tp / --nnodes ranks and exit when the group ends (0 when node 0 closed it).
 """
 
 import argparse
@@ -38,8 +45,25 @@ def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple
     return budget // per_slot, per_slot
 
 
+def check_nodes(ap, args) -> dict:
+    """The launch options of --nnodes / --node-rank / --rdzv-endpoint, checked."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        ap.error(f"--node-rank must be in 0..{args.nnodes - 1} with --nnodes {args.nnodes}")
+    if args.nnodes == 1:
+        if args.rdzv_endpoint:
+            ap.error("--rdzv-endpoint needs --nnodes > 1")
+        return {}
+    if args.tp % args.nnodes:
+        ap.error(f"--tp {args.tp} ranks do not split evenly over --nnodes {args.nnodes}")
+    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+    if not host or not port.isdigit():
+        ap.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, got {args.rdzv_endpoint!r}")
+    return {"nnodes": args.nnodes, "rdzv_endpoint": args.rdzv_endpoint}
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="mqa-serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, "bytes of KV pool per rank (default 1GB): slots = budget / (bytes per token x context)")
     ap.add_argument("--prefix-cache", type=byte_size, default=byte_size("512MB"),
                     help="bytes per rank of prompt-prefix KV kept for reuse (default 512MB; 0 turns it off)")
@@ -48,6 +72,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together (slots are "
                                                                  "min(this, what --kv-budget holds))")
     ap.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before 503s")
+    ap.add_argument("--nnodes", type=int, default=1, help="machines the --tp ranks span (default 1)")
+    ap.add_argument("--node-rank", type=int, default=0, help="this machine's place: 0 serves HTTP, the others "
+                                                              "only run their ranks")
+    ap.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                    help="where the machines meet (torchrun's c10d rendezvous; with --nnodes > 1)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -63,25 +92,26 @@ def parse_args(argv=None):
     return ap, ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    ap, args = parse_args(argv)
-    from plugins.core.console import announce, quiet_upstream
-
-    quiet_upstream()
+def check_args(ap, args) -> dict:
+    """Every check of the flags and the checkpoint, before any work (mqa-fleet runs it for its replicas);
+    what serving needs of them."""
     from plugins.core.checkpoint import read_hf_config
     from plugins.core.config import ConfigError, check_tp
     from plugins.core.tensors import resolve_dtype
-    from plugins.engine.registry import backend_class, load_backend
+    from plugins.engine.registry import backend_class
     from plugins.serving.batching import check_batchable
 
+    launch = check_nodes(ap, args)
     try:
         config = read_hf_config(args.checkpoint_dir)
         check_batchable(backend_class(args.backend))
         dtype = resolve_dtype(args.dtype)
         check_tp(config, args.tp)
-        backend_class(args.backend).check_options(config, args.tp, **engine_options(args))
+        backend_class(args.backend).check_options(config, args.tp, **engine_options(args), **launch)
     except (ConfigError, OSError, ValueError) as e:
         ap.error(str(e))
+    if args.node_rank > 0:  # node 0 holds the pool, the scheduler and the tokenizer
+        return {"launch": launch}
     capacity = args.max_model_len or config.n_positions
     if not 2 <= capacity <= config.n_positions:
         ap.error(f"--max-model-len must be in 2..{config.n_positions} (the model's n_positions), got {capacity}")
@@ -103,20 +133,44 @@ def main(argv=None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_connections < 1 or args.max_body_bytes < 1:
         ap.error("--max-connections and --max-body-bytes must be >= 1")
-
-    import uvicorn
-
     from plugins.core.tokenizer import checkpoint_tokenizer
-    from plugins.serve.app import Served, create_app
     from plugins.serve.chat import ChatTemplate
-    from plugins.serve.http_limits import Limits, limited_protocol
-    from plugins.serving.scheduler import Scheduler
 
     try:
         tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
         chat = ChatTemplate.of_checkpoint(args.checkpoint_dir, tokenizer)
     except ValueError as e:  # its ids do not fit the model; its tokenizer_config.json is not JSON
         ap.error(str(e))
+    return {"launch": launch, "config": config, "dtype": dtype, "capacity": capacity, "slots": slots,
+            "per_slot": per_slot, "tokenizer": tokenizer, "tok_path": tok_path, "chat": chat}
+
+
+def main(argv=None) -> int:
+    ap, args = parse_args(argv)
+    from plugins.core.console import announce, quiet_upstream
+
+    quiet_upstream()
+    checked = check_args(ap, args)
+    if args.node_rank > 0:
+        from plugins.dist.launcher import join_group
+
+        announce(f"node {args.node_rank} of {args.nnodes}: {args.tp // args.nnodes} tensor-parallel rank(s) joining "
+                 f"{args.rdzv_endpoint}; node 0 serves")
+        code = join_group(args.tp, args.nnodes, args.rdzv_endpoint)
+        if code:
+            print(f"exiting: this node's ranks ended with code {code} (a rank of the group failed, or node 0 is "
+                  "gone)", flush=True)
+        return 1 if code else 0
+    config, capacity, slots, per_slot = (checked[k] for k in ("config", "capacity", "slots", "per_slot"))
+    tokenizer, tok_path, chat, launch = (checked[k] for k in ("tokenizer", "tok_path", "chat", "launch"))
+
+    import uvicorn
+
+    from plugins.engine.registry import load_backend
+    from plugins.serve.app import Served, create_app
+    from plugins.serve.http_limits import Limits, limited_protocol
+    from plugins.serving.scheduler import Scheduler
+
     chunk = args.max_num_batched_tokens or "off"
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
              f"{', ' + args.quantize if args.quantize else ''}"
@@ -125,7 +179,7 @@ def main(argv=None) -> int:
              f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
              f"tokenizer {tok_path}")
     backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
-                           **engine_options(args))
+                           **engine_options(args), **launch)
     try:
         scheduler = Scheduler(backend, slots, capacity, args.max_waiting, args.prefix_cache,
                               max_batched_tokens(args))
