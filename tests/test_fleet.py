@@ -179,6 +179,9 @@ def test_a_killed_replica_fails_its_streams_alone_and_the_router_routes_around_i
         t.start()
     started.wait(120)
     running = [httpx2.get(u + "/health").json()["running"] for u in fleet.workers]
+    # what a load-balancing router reads of each replica: the requests it holds
+    assert [httpx2.get(u + "/get_load").json()["load"] for u in fleet.workers] == running
+    assert sum(running) == 4
     victim = max(range(2), key=lambda i: running[i])
     port = fleet.workers[victim].rsplit(":", 1)[1]
     pid = next(p for p in descendants(fleet.proc.pid)
@@ -187,7 +190,7 @@ def test_a_killed_replica_fails_its_streams_alone_and_the_router_routes_around_i
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a stream hangs"
-    assert sorted(ends.values()).count("done") == 4 - running[victim], (running, ends)
+    assert list(ends.values()).count("done") == 4 - running[victim], (running, ends)
     survivor = fleet.workers[1 - victim]
     before = counters([survivor])["mqa_prompt_tokens_total"]
     time.sleep(2)  # the router's health check (every second here) has seen it go

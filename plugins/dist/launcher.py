@@ -89,7 +89,7 @@ def crash_site(log: str) -> str:
 
 
 class RemoteBackend:
-    """A `Backend` whose ranks run in worker processes; results are rank 0's."""
+    """A `Backend` whose ranks run in worker processes; results are the front rank's (plugins.dist.worker)."""
 
     def __init__(self, name: str, path, dtype="float32", tp_size: int = 2, method: str = "from_hf",
                  launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, nnodes: int = 1,
