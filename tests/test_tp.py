@@ -240,3 +240,46 @@ def _shm_interface_source() -> str:
     import deepspeed
 
     return (Path(deepspeed.__file__).parent / "ops/csrc/cpu/comm/shm_interface.cpp").read_text()
+
+
+def test_the_ranks_group_is_gloo_on_cpu_and_adds_nccl_for_cuda_tensors():
+    """CPU ranks: gloo alone. CUDA ranks: one group with gloo for CPU tensors and NCCL for CUDA ones; the
+    worker's requests and rank lists are object collectives, which torch sends through the group's CPU
+    backend when it has one (this fails if upstream's rule changes)."""
+    import inspect
+
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    from plugins.core.tensors import process_group_backend
+
+    assert process_group_backend(cuda=False) == "gloo"
+    nccl = torch.distributed.is_nccl_available()
+    assert process_group_backend(cuda=True) == ("cpu:gloo,cuda:nccl" if nccl else "gloo")
+    assert process_group_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() and nccl else "gloo")
+    rule = inspect.getsource(_get_object_coll_device)
+    assert 'elif torch.device("cpu") in devices:' in rule and 'return "cpu"' in rule.split("cpu\") in devices:")[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ranks_all_reduce_over_nccl_and_pass_objects_over_gloo(tmp_path):
+    script = tmp_path / "group.py"
+    script.write_text("""
+import torch, torch.distributed as dist
+from plugins.core.tensors import process_group_backend, use_local_gpu
+use_local_gpu()
+dist.init_process_group(process_group_backend())
+x = torch.ones(4, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(x)
+objects = [None] * dist.get_world_size()
+dist.all_gather_object(objects, {"rank": dist.get_rank()})
+assert x.tolist() == [sum(range(1, dist.get_world_size() + 1))] * 4, x
+assert objects == [{"rank": r} for r in range(dist.get_world_size())], objects
+assert dist.get_backend(dist.group.WORLD) == "cpu:gloo,cuda:nccl", dist.get_backend(dist.group.WORLD)
+print("ok", torch.cuda.current_device())
+dist.destroy_process_group()
+""")
+    n = min(torch.cuda.device_count(), 2)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                          str(script)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("ok") == n

@@ -86,3 +86,23 @@ def kv_bytes_per_token(config: GPTBigCodeConfig, dtype: torch.dtype, tp_size: in
     """Bytes of K and V one token adds to the cache of one rank (heads sharded over `tp_size`)."""
     element = torch.empty((), dtype=dtype).element_size()
     return config.n_layer * 2 * kv_heads_per_rank(config, tp_size) * head_dim(config) * element
+
+
+def process_group_backend(cuda: bool | None = None) -> str:
+    """The ranks' torch.distributed backend: gloo for CPU tensors, and on a CUDA machine NCCL for CUDA
+    tensors in the same group ("cpu:gloo,cuda:nccl"): the model's all-reduces stay on the GPUs while
+    object collectives (requests, errors, rank lists) keep going through gloo, as torch routes an object
+    collective to the group's CPU backend when it has one."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "cpu:gloo,cuda:nccl" if cuda and dist.is_nccl_available() else "gloo"
+
+
+def use_local_gpu() -> None:
+    """Bind this rank to its own GPU (LOCAL_RANK) before its first CUDA collective: NCCL refuses two
+    ranks on one device. Nothing to do without CUDA."""
+    import os
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())

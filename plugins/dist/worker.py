@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from plugins.core.config import ConfigError
+from plugins.core.tensors import process_group_backend, use_local_gpu
 from plugins.engine.registry import backend_class
 from plugins.serving.batching import open_batch
 
@@ -86,7 +87,8 @@ def worker_main() -> None:
     timeout_s = float(os.environ.get(TIMEOUT_ENV, 600))
     group = "RANK" in os.environ  # started by torchrun / deepspeed; else one plain worker
     if group and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        use_local_gpu()
+        dist.init_process_group(process_group_backend(), timeout=timedelta(seconds=timeout_s))
     rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
     front_here = os.environ.get(FRONT_ENV) == "1" and os.environ.get("LOCAL_RANK", "0") == "0"
     here = (socket.gethostname(), os.getpid(), front_here)

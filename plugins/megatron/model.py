@@ -18,6 +18,7 @@ from transformers import GPTBigCodeConfig
 
 from converters.mapping import check_megatron_config, padded_vocab_size
 from plugins.core.config import TANH_GELUS, ConfigError, head_dim, kv_heads
+from plugins.core.tensors import process_group_backend, use_local_gpu
 from plugins.dist.launcher import free_port
 from plugins.megatron import compat
 from plugins.megatron.attention import SDPAttention
@@ -131,7 +132,8 @@ def _destroy_group() -> None:
 
 
 def init_parallel(tp_size: int, timeout_s: float = 300.0) -> int:
-    """torch.distributed (gloo) + megatron parallel_state for TP = world size; returns the rank.
+    """torch.distributed (gloo; NCCL beside it for CUDA tensors) + megatron parallel_state for TP = world
+    size; returns the rank.
 
     Under torchrun the environment names the group; a plain process gets a group of one.
     """
@@ -140,7 +142,8 @@ def init_parallel(tp_size: int, timeout_s: float = 300.0) -> int:
 
     compat.apply()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend()
+        use_local_gpu()
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         else:
@@ -150,8 +153,6 @@ def init_parallel(tp_size: int, timeout_s: float = 300.0) -> int:
         # whose gloo threads were still joinable then aborted: "terminate called without an active
         # exception", exit -6, about 1 run in 7 of a two-rank torchrun script here).
         atexit.register(_destroy_group)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
     if world % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide the world size {world}")
