@@ -8,7 +8,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serving.batching import BatchRequest, open_batch
+from plugins.serving.batching import open_batch
+from plugins.serving.request import BatchRequest
 
 # (arrival step, prompt length, new tokens, sampling seed or None for greedy)
 SCHEDULE = [(0, 9, 12, None), (0, 23, 5, None), (1, 4, 30, None), (2, 31, 9, 7), (2, 6, 1, None),

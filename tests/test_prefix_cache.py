@@ -8,7 +8,8 @@ import torch
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serving.batching import BatchRequest, open_batch
+from plugins.serving.batching import open_batch
+from plugins.serving.request import BatchRequest
 from plugins.serving.prefix_cache import PrefixCache
 
 BLOCK = 16

@@ -8,7 +8,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 from plugins.engine.sampling import LogitRules
-from plugins.serving.batching import BatchRequest, open_batch
+from plugins.serving.batching import open_batch
+from plugins.serving.request import BatchRequest
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def expected_text(engine, tokenizer, ids, max_tokens, **sampling):
     reason = "length"
     if eos in new:
         new, reason = new[:new.index(eos) + 1], "stop"
-    return tokenizer.decode([i for i in new if i != eos], skip_special_tokens=False), len(new), reason
+    return tokenizer.decode(new, skip_special_tokens=True), len(new), reason  # vLLM's default text
 
 
 PROMPTS = [(5 + 3 * i, 4 + 5 * i) for i in range(9)]  # (prompt tokens, max_tokens), all different
@@ -130,6 +130,43 @@ def test_suffix_is_fill_in_the_middle_with_the_tokenizers_own_tokens(server, eng
     assert answer.choices[0].text == expected_text(engine, tokenizer, ids, 12)[0]
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(server, tokenizer, ckpt):
+    """vLLM's `skip_special_tokens` (default true; vllm-router sends it): a logit bias makes every new
+    token <fim-prefix>; logprobs name the tokens either way."""
+    fim = tokenizer.token_to_id("<fim-prefix>")
+    body = {"model": Path(ckpt).name, "prompt": [fim] + tokenizer.encode("x = 1").ids, "max_tokens": 3,
+            "temperature": 0, "logit_bias": {str(fim): 100}, "echo": True, "logprobs": 0}
+
+    def answer(**fields):
+        return httpx2.post(server.url + "/v1/completions", json=body | fields, timeout=60).json()["choices"][0]
+
+    skipped, kept = answer(), answer(skip_special_tokens=False)
+    assert skipped["text"] == "x = 1"
+    assert kept["text"] == "<fim-prefix>x = 1" + "<fim-prefix>" * 3
+    assert skipped["logprobs"]["tokens"][-3:] == kept["logprobs"]["tokens"][-3:] == ["<fim-prefix>"] * 3
+
+
+def test_render_is_the_request_checked_and_tokenized_as_served(server, tokenizer, ckpt):
+    """vLLM's /v1/completions/render, which vllm-router asks before routing: one GenerateRequest
+    per prompt, the token ids the completion would run on; nothing is generated."""
+    model, prompts = Path(ckpt).name, ["def f(x):", "class A:\n"]
+    generated = server.metric("mqa_generation_tokens_total")
+    r = httpx2.post(server.url + "/v1/completions/render",
+                    json={"model": model, "prompt": prompts, "max_tokens": 7, "temperature": 0, "stop": ["\n"]})
+    assert r.status_code == 200, r.text
+    rendered = r.json()
+    assert [g["token_ids"] for g in rendered] == [tokenizer.encode(p).ids for p in prompts]
+    assert [(g["model"], g["stream"]) for g in rendered] == [(model, False)] * 2
+    params = rendered[0]["sampling_params"]
+    assert (params["max_tokens"], params["temperature"], params["stop"], params["skip_special_tokens"]) == \
+        (7, 0.0, ["\n"], True)
+    assert len({g["request_id"] for g in rendered}) == 2
+    fim = httpx2.post(server.url + "/v1/completions/render",
+                      json={"model": model, "prompt": "def f(", "suffix": "):\n    pass", "max_tokens": 4}).json()
+    assert fim[0]["token_ids"] == encode_prompt(tokenizer, "def f(", "):\n    pass")
+    assert server.metric("mqa_generation_tokens_total") == generated
+
+
 def test_stream_text_never_splits_a_character(tokenizer):
     text = "naïve 漢字 🙂 ok"
     ids = tokenizer.encode(text).ids
@@ -158,10 +195,11 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions/render"])
 @pytest.mark.parametrize("body,status,param,message", BAD)
-def test_bad_requests_get_one_openai_error(server, ckpt, body, status, param, message):
+def test_bad_requests_get_one_openai_error(server, ckpt, body, status, param, message, path):
     body = body.replace(b'"M"', json.dumps(Path(ckpt).name).encode())
-    r = httpx2.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = httpx2.post(server.url + path, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["param"] == param and error["type"]

@@ -39,7 +39,8 @@ def greedy(engine, ids, new, **sampling):
 
 
 def text_of(tokenizer, ids):
-    return tokenizer.decode([i for i in ids if i != 0], skip_special_tokens=False)
+    """The served text: special tokens left out (vLLM's skip_special_tokens default)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def log_softmax(engine, ids):
@@ -293,6 +294,15 @@ def test_chat_stream_equals_the_plain_answer_and_generate_on_the_rendered_prompt
     assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == plain.choices[0].finish_reason
     assert pieces[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert plain.usage.prompt_tokens == len(tokenizer.encode(rendered(tokenizer, messages)).ids)
+
+
+def test_chat_render_is_the_rendered_prompt_tokenized(chat_server, tokenizer):
+    messages = [{"role": "user", "content": "A queue class"}]
+    r = httpx2.post(chat_server.url + "/v1/chat/completions/render",
+                    json={"model": "tiny-chat", "messages": messages, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == tokenizer.encode(rendered(tokenizer, messages)).ids
+    assert r.json()["sampling_params"]["max_tokens"] == 5 and r.json()["request_id"].startswith("chatcmpl-")
 
 
 def test_chat_n_seeded_and_logprobs(chat_server, engine, tokenizer):

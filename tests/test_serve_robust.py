@@ -34,7 +34,7 @@ def greedy_alone(engine, tokenizer, text: str, max_tokens: int) -> str:
     eos = tokenizer.token_to_id("<|endoftext|>")
     if eos in new:
         new = new[:new.index(eos)]
-    return tokenizer.decode(new, skip_special_tokens=False)
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def stream_text(url: str, body: dict) -> tuple[str, list[dict]]:

@@ -3,7 +3,7 @@ completions response bodies.
 
 Wrong types and values the server cannot honour are refused (HTTP 400 with an OpenAI-style error
 body). Fields it does not know are ignored, as vLLM does: clients add their own (Ollama's `options`,
-vLLM's `skip_special_tokens`), and refusing them makes the server unusable to those clients.
+the router's `no_stop_trim`), and refusing them makes the server unusable to those clients.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Sampling(BaseModel):
     logit_bias: dict[str, Number] | None = None
     min_tokens: StrictInt | None = Field(default=0, ge=0)
     ignore_eos: StrictBool | None = False
+    skip_special_tokens: StrictBool | None = True  # vLLM's: special tokens (FIM, EOS) left out of the text
     user: StrictStr | None = None
 
     def ignored(self) -> list[str]:

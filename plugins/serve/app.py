@@ -1,8 +1,8 @@
 """The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions) and
 `/v1/chat/completions` (plugins.serve.chat),
 TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), Ollama's `/api/generate` and
-`/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize` and
-`/tokenizer_info`, `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load` (requests held, for
+`/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` and the
+render endpoints (plugins.serve.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load` (requests held, for
 routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
 """
 
@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from plugins.serve import ollama, tgi, tokens
+from plugins.serve import ollama, render, tgi, tokens
 from plugins.serve.api import RequestError
 from plugins.serve.chat import create_chat_completion
 from plugins.serve.completions import create_completion
@@ -112,6 +112,8 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     route("/generate", tgi.generate)
     route("/generate_stream", tgi.generate_stream)
     route("/api/generate", ollama.generate)
+    route("/v1/completions/render", render.render_completion)
+    route("/v1/chat/completions/render", render.render_chat)
     route("/tokenize", tokens.tokenize)
     route("/detokenize", tokens.detokenize)
 

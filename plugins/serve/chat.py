@@ -106,8 +106,8 @@ def _logprobs(served: Served, ids: list[int], entries) -> list[dict]:
     return out
 
 
-async def create_chat_completion(served: Served, http: HTTPRequest, body: bytes, arrived: float):
-    req = validated(ChatRequest, body, ("model", "stop", "user"))
+async def chat_prompt(served: Served, req: ChatRequest) -> tuple[list[int], int]:
+    """The checked prompt's token ids and how many tokens to generate."""
     served.note_ignored(req.ignored())
     served.check_model(req.model)
     if served.chat is None:
@@ -125,6 +125,16 @@ async def create_chat_completion(served: Served, http: HTTPRequest, body: bytes,
         raise RequestError("`max_tokens` must be >= 1", "max_tokens")
     check_sampling(req, new_tokens)
     served.check_fits(prompt, new_tokens)
+    return prompt, new_tokens
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    return validated(ChatRequest, body, ("model", "stop", "user"))
+
+
+async def create_chat_completion(served: Served, http: HTTPRequest, body: bytes, arrived: float):
+    req = parse_chat(body)
+    prompt, new_tokens = await chat_prompt(served, req)
     gens = start_choices(served, req, [prompt], new_tokens, arrived)
     cid, created, model = "chatcmpl-" + secrets.token_hex(12), int(time.time()), served.model_id
     parts = [[] for _ in gens]

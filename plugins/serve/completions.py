@@ -97,8 +97,8 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
     new_tokens = max(req.new_tokens, 1)  # max_tokens 0 (echo): one token is made and dropped
     for ids in prompts:
         served.check_fits(ids, new_tokens)
-    texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=False)
-             for p in req.prompts()]
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens
+                                                                   is not False) for p in req.prompts()]
     gens = start_choices(served, req, prompts, new_tokens, arrived)
     pairs = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(req.n or 1)]
     choices = [Choice(served, gen, ids, text, req) for gen, (ids, text) in zip(gens, pairs)]
@@ -171,7 +171,7 @@ def start_choices(served: Served, req: Sampling, prompts: list[list[int]], new_t
     seed = first_seed(req)
     params = [served.request(prompt=ids, max_new_tokens=new_tokens, seed=seed + j, **fields)
               for ids in prompts for j in range(req.n or 1)]
-    return served.start(params, stop_list(req), arrived)
+    return served.start(params, stop_list(req), arrived, skip_special=req.skip_special_tokens is not False)
 
 
 async def cancel_on_disconnect(http: HTTPRequest, gens: list[Generation]) -> None:

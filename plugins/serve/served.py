@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from plugins.core.config import ConfigError
 from plugins.serve.api import RequestError, check_token_ids
 from plugins.serve.text import EOS_NAMES, StreamText, encode_prompt, special_id
-from plugins.serving.batching import BatchRequest
+from plugins.serving.request import BatchRequest
 from plugins.serving.scheduler import QueueFull, Request, Scheduler, ServerClosing
 
 MAX_BODY_BYTES = 4 << 20
@@ -59,6 +59,7 @@ class Served:
         self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
         self.chat = chat
         self.eos = special_id(tokenizer, EOS_NAMES)
+        self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.created = int(time.time())
         self.max_body_bytes = max_body_bytes
         per_token = max_token_bytes(tokenizer)
@@ -109,8 +110,10 @@ class Served:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                                f"context of {self.capacity} tokens", param)
 
-    def start(self, params: list[BatchRequest], stop: list[str], arrived: float) -> list["Generation"]:
-        """Queue generations together (RequestError 503 when the queue is full or the server closes)."""
+    def start(self, params: list[BatchRequest], stop: list[str], arrived: float,
+              skip_special: bool = False) -> list["Generation"]:
+        """Queue generations together (RequestError 503 when the queue is full or the server closes).
+        The text leaves out EOS and the stop token ids; with `skip_special`, every special token."""
         loop = asyncio.get_running_loop()
         entries = [Request(p, loop, arrived=arrived) for p in params]
         try:
@@ -119,8 +122,9 @@ class Served:
             raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
         except ConfigError as e:
             raise RequestError(str(e)) from None
-        return [Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=({self.eos} | set(
-            entry.params.stop_token_ids)) - {None})) for entry in entries]
+        special = self.special_ids if skip_special else set()
+        return [Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=(
+            {self.eos} | set(entry.params.stop_token_ids) | special) - {None})) for entry in entries]
 
     def request(self, **fields) -> BatchRequest:
         return BatchRequest(id=self.scheduler.new_id(), **fields)

@@ -36,85 +36,11 @@ import torch
 from plugins.core.config import ConfigError
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import BatchDecoder
-from plugins.engine.sampling import LogitRules, Sampler, top_logprobs
+from plugins.engine.sampling import Sampler, top_logprobs
 from plugins.serving.kv_pool import RowPool
 from plugins.serving.prefix_cache import PrefixCache
+from plugins.serving.request import BatchRequest, Row, check_request, failure_message
 from plugins.serving.speculation import RowSpeculation
-
-
-@dataclass
-class BatchRequest:
-    """What a slot needs to generate for one request; `id` is the caller's."""
-
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    eos_token_id: int | None = None  # stop at this token (it is returned)
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    min_new_tokens: int = 0        # EOS and stop_token_ids cannot come before this many tokens
-    stop_token_ids: tuple[int, ...] = ()  # stop at any of these too (returned)
-    logprobs: int | None = None    # with each token: its log-probability and this many top alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first (one extra forward)
-
-    def rules(self) -> LogitRules:
-        stops = set(self.stop_token_ids) | ({self.eos_token_id} - {None})
-        return LogitRules(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.logit_bias,
-                          self.min_new_tokens, stops)
-
-
-def check_request(request: BatchRequest, capacity: int) -> None:
-    """What a KV slot of `capacity` columns can take (checked before a request is admitted)."""
-    if not request.prompt:
-        raise ConfigError("a request needs at least one prompt token")
-    if request.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-    if not 0 <= request.min_new_tokens <= request.max_new_tokens:
-        raise ConfigError(f"min_new_tokens must be in [0, max_new_tokens], got {request.min_new_tokens}")
-    if len(request.prompt) + request.max_new_tokens > capacity:
-        raise ConfigError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                          f"exceeds the context of {capacity} tokens")
-
-
-def _message(exc: BaseException) -> str:
-    """One short line for the client whose request failed (no traceback, no internals)."""
-    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-@dataclass
-class _Row:
-    request: BatchRequest
-    sampler: Sampler
-    rules: LogitRules
-    output: list[int]
-
-    @property
-    def greedy(self) -> bool:
-        """The argmax of the raw logits (log-probabilities may be asked too)."""
-        return not (self.request.do_sample or self.rules.active)
-
-    @property
-    def plain(self) -> bool:
-        """Greedy, nothing else asked: the batch's one argmax serves it."""
-        return self.greedy and self.request.logprobs is None
-
-    def choose(self, logits: torch.Tensor, logprobs: dict) -> int:
-        """This row's next token from its logits [1, V]; its log-probabilities (of the raw logits, as
-        vLLM reports them) into `logprobs`."""
-        token = int(self.sampler(self.rules(logits, self.request.prompt, self.output) if self.rules.active
-                                 else logits)[0])
-        if self.request.logprobs is not None:
-            logprobs.setdefault(self.request.id, []).append(top_logprobs(logits[0], token, self.request.logprobs))
-        return token
 
 
 @dataclass(eq=False)
@@ -149,7 +75,7 @@ class ContinuousBatch:
         self.prefix = PrefixCache(prefix_cache_bytes, decoder.time_dim) if prefix_cache_bytes > 0 else None
         self.pool = RowPool(decoder, slots, capacity, device)
         self.speculation = speculation
-        self.rows: list[_Row] = []  # row r of the pool serves rows[r]
+        self.rows: list[Row] = []  # row r of the pool serves rows[r]
         self.prefill_tokens = 0  # prompt tokens computed so far (not those of shared prefills or cache hits)
 
     @property
@@ -210,7 +136,7 @@ class ContinuousBatch:
                 except Exception as exc:  # these requests alone
                     self.filling.remove(fill)
                     for request in fill.requests:
-                        failed[request.id] = _message(exc)
+                        failed[request.id] = failure_message(exc)
                     continue
                 self._advance(fill, end, logits, kv)
             self._place_complete(out, finished, failed, logprobs, prompt_logprobs)
@@ -276,9 +202,9 @@ class ContinuousBatch:
                     del self.rows[n:]
                     for part in (out, finished, logprobs, prompt_logprobs):
                         part.pop(request.id, None)
-                    failed[request.id] = _message(exc)
+                    failed[request.id] = failure_message(exc)
 
-    def _emit(self, row: _Row, token: int, out: dict, finished: dict) -> bool:
+    def _emit(self, row: Row, token: int, out: dict, finished: dict) -> bool:
         out.setdefault(row.request.id, []).append(token)
         row.output.append(token)
         if token == row.request.eos_token_id or token in row.request.stop_token_ids:
@@ -291,7 +217,7 @@ class ContinuousBatch:
                prompt_logprobs: dict) -> None:
         """Sample the first token from the complete prompt's logits, then copy its KV into a new row."""
         p, r = len(request.prompt), request
-        row = _Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
+        row = Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
         if r.prompt_logprobs is not None:
             prompt_logprobs[r.id] = self._prompt_logprobs(r)
         token = row.choose(fill.logits, logprobs)
@@ -393,11 +319,11 @@ class ContinuousBatch:
         self.pool.tidy()
 
     @staticmethod
-    def _choose(row: _Row, logits: torch.Tensor, failed: dict, logprobs: dict) -> int | None:
+    def _choose(row: Row, logits: torch.Tensor, failed: dict, logprobs: dict) -> int | None:
         try:
             return row.choose(logits, logprobs)
         except Exception as exc:
-            failed[row.request.id] = _message(exc)
+            failed[row.request.id] = failure_message(exc)
             return None
 
     def _remove(self, r: int) -> None:

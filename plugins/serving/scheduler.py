@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from plugins.serving.batching import BatchRequest, check_request, open_batch
+from plugins.serving.batching import open_batch
+from plugins.serving.request import BatchRequest, check_request
 
 
 class QueueFull(RuntimeError):
