@@ -208,7 +208,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self.scale = scale
         self.weights_row_major = False
         if compat.on_cpu():
-            kernels.probe()  # kernels built (once per machine) now, not inside the first decode step
+            kernels.decision()  # kernels built (once per machine) now, not inside the first decode step
 
     def _linear_weights(self):
         attn, mlp = self.attention, self.mlp

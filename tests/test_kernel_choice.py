@@ -200,3 +200,26 @@ def test_table_mode_switch(monkeypatch):
                     assert times[native.choices[kind][i]] == min(times.values())
 
 
+
+
+def test_fp32_runs_time_nothing_and_the_first_bf16_linear_measures(monkeypatch, ckpt):
+    """The kernels are built when DeepSpeed's layers are injected; the implementations are timed only
+    when a bf16 or int8 linear first asks which to run (an fp32 run never does)."""
+    from plugins.engine.registry import load_backend
+
+    monkeypatch.setenv(kernels.TABLE_ENV, "measured")
+    kernels.reset()
+    try:
+        backend = load_backend("deepspeed", ckpt, dtype="float32")
+        ids = torch.tensor([[5, 6, 7, 8]])
+        backend.generate(ids, torch.ones_like(ids), 3)
+        assert kernels._DECISION is not None and kernels._PROBE is None
+        assert kernels.decision().describe() == {"rung": kernels.decision().rung, "forced": kernels.forced_rung(),
+                                                 "bf16_gemm": kernels.decision().bf16_gemm,
+                                                 "table": "not measured (no bf16 or int8 linear ran)"}
+        kernels.linear(torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16())
+        assert kernels._PROBE is not None and kernels._PROBE.choices is not None
+        assert kernels._PROBE.describe()["table"] == "measured"
+    finally:
+        monkeypatch.undo()
+        kernels.reset()

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     rows, skipped = grid.run_grid(cfg, local_hw, out, profile=args.profile, progress=not args.no_progress)
     proj = projection(cfg.project, cfg.project_models, cfg.project_context, cfg.project_batches,
                       storage_dtype("bfloat16"), measured) if cfg.project else []
-    result = {"timestamp": stamp, "config": asdict(cfg), "environment": probes.environment(),
+    result = {"timestamp": stamp, "config": asdict(cfg), "environment": probes.environment(dtype),
               "machine": measured, "skipped": skipped, "rows": rows, "projection": proj,
               "prediction": report.ratio_summary(rows), "noise": report.noise(rows, measured)}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))

@@ -91,7 +91,9 @@ def measure_machine(dtype: torch.dtype) -> dict:
             "gemv_bw": measure_gemv(dtype), "gemm_dtype": str(dtype).replace("torch.", ""), "gemm_path": path}
 
 
-def environment() -> dict:
+def environment(dtype: torch.dtype) -> dict:
+    """Versions, CPU, threads; and the CPU linears' choices as `dtype`'s linears run them (fp32 runs
+    torch's own: nothing is timed for it)."""
     def version(pkg):
         try:
             return importlib.metadata.version(pkg)
@@ -118,7 +120,8 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": psutil.virtual_memory().total,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cpu_kernels": None if torch.cuda.is_available() else kernels.probe().describe(),
+        "cpu_kernels": None if torch.cuda.is_available() else
+        (kernels.probe() if dtype == torch.bfloat16 else kernels.decision()).describe(),
         "git_commit": commit,
     }
 

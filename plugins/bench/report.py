@@ -103,9 +103,9 @@ def write_markdown(path: Path, result: dict) -> None:
     probe = env.get("cpu_kernels")
     if probe:
         forced = f" (forced by PLUGINS_KERNELS={probe['forced']})" if probe["forced"] else ""
-        lines += [f"CPU linears (plugins.kernels): rung **{probe['rung']}**{forced}, "
-                  f"{probe.get('table', 'static')} choices; bf16 by rows "
-                  f"{probe['bf16']}, int8 by rows {probe['int8']}.", ""]
+        choices = (f"{probe['table']} choices; bf16 by rows {probe['bf16']}, int8 by rows {probe['int8']}"
+                   if "bf16" in probe else probe["table"])
+        lines += [f"CPU linears (plugins.kernels): rung **{probe['rung']}**{forced}, {choices}.", ""]
     if result["skipped"]:
         lines += ["Skipped backends:", ""]
         lines += [f"- {s['backend']} ({s['model']}): {s['reason']}" for s in result["skipped"]]

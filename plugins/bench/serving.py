@@ -251,8 +251,9 @@ def main(argv=None) -> int:
             announce(f"server stopped (exit status {result['server']['exit_code']})")
 
     from plugins.bench import probes
+    from plugins.core.tensors import resolve_dtype
 
-    result["machine"] = probes.environment()
+    result["machine"] = probes.environment(resolve_dtype(args.dtype))
     write_outputs(out, result)  # the server's numbers are kept even if the static phase fails
     if not args.no_static:
         result["phases"]["static"] = run_static(args, mixed, decode)

@@ -15,12 +15,13 @@ The ladder, fastest first; each rung is a real path with its own tests:
           int8 one-row steps (weights widened to fp32 / int16 in registers); more bf16 rows: fp32
   torch   `F.linear` / `aten._weight_int8pack_mm` as torch ships them
 
-`probe()` finds, once per process, the highest rung this CPU supports and whose kernel builds
+`decision()` finds, once per process, the highest rung this CPU supports and whose kernel builds
 (a build failure warns once and steps down), capped by the environment variable
 PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
 
-Which implementation a linear of a given row count runs is then measured, not read from a table of
-CPU flags (plugins/kernels/measure.py): on first use per machine every candidate this CPU runs (our
+Which implementation a linear of a given row count runs (`probe()`, asked by the first bf16 or int8
+linear) is then measured, not read from a table of CPU flags (plugins/kernels/measure.py): on first
+use per machine every candidate this CPU runs (our
 kernels, oneDNN's packed bf16 linear, which uses AMX tiles where the CPU has them, torch's own ops)
 is timed on a santacoder-1b layer at one row count per bucket of BUCKETS (decode, verify, batch,
 prefill), and the fastest is used per bucket; the timings are cached beside the compiled kernels,
@@ -39,6 +40,7 @@ CPUs has no fast path (seconds per decode step).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -155,12 +157,14 @@ class Probe:
     def describe(self) -> dict:
         """What ran, for results.json and the console: the rung, the choice per dtype and row bucket, and
         (measured) the best ms per candidate behind each choice."""
+        out = {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
+               "table": "measured" if self.choices else table_mode()}
+        if out["table"] == "measured" and not self.choices:  # `decision()`: nothing asked for a choice yet
+            return out | {"table": "not measured (no bf16 or int8 linear ran)"}
         labels = [bucket_label(i) for i in range(len(BUCKETS) + 1)]
         rows = [1, *(top for top in BUCKETS[1:]), BUCKETS[-1] + 1]  # a row count in each bucket
-        out = {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
-               "table": "measured" if self.choices else "static",
-               "bf16": {label: self.bf16(r) for label, r in zip(labels, rows)},
-               "int8": {label: self.int8(r) for label, r in zip(labels, rows)}, "int4": self.int4()}
+        out |= {"bf16": {label: self.bf16(r) for label, r in zip(labels, rows)},
+                "int8": {label: self.int8(r) for label, r in zip(labels, rows)}, "int4": self.int4()}
         if self.timings:
             out["timings_ms"] = self.timings
         return out
@@ -235,15 +239,25 @@ def supported(name: str, caps: dict | None = None) -> bool:
     return all(caps.get(flag, False) for flag in KERNEL_ISA[name][0])
 
 
-_PROBE: Probe | None = None  # a plain global: torch.compile reads it without tracing the probe
+_DECISION: Probe | None = None  # plain globals: torch.compile reads them without tracing the probe
+_PROBE: Probe | None = None
+
+
+def decision() -> Probe:
+    """The rung and the compiled kernels of this process, without the measured table: what callers
+    that need a kernel module (not a choice among implementations) ask, so fp32 runs time nothing."""
+    global _DECISION
+    if _DECISION is None:
+        _DECISION = _decide(measuring=table_mode() == "measured")
+    return _DECISION
 
 
 def probe() -> Probe:
-    """The ladder decision for this process (made on first call; kernels are built, and on first use
-    per machine the implementations timed, then)."""
+    """The ladder decision with each linear's implementation per row bucket: measured on first use
+    per machine (then read from the cache file), or the static ladder."""
     global _PROBE
     if _PROBE is None:
-        found = _decide(measuring=table_mode() == "measured")
+        found = decision()
         if table_mode() == "measured":
             _PROBE = found  # the timing runs each candidate through `linear` (impl named) at this rung
             from plugins.kernels.measure import measured_choices
@@ -273,6 +287,9 @@ def _decide(measuring: bool = False) -> Probe:
     caps = capabilities()
     bf16_gemm = "onednn" in allowed and has_bf16_instructions(caps) and onednn_packs_bf16()
     modules = {}
+    if measuring:  # every kernel this CPU runs: compile them side by side (one g++ each), not one after another
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(build, [n for n in ("avx512", "avx512f", "avx2") if n in allowed and supported(n, caps)]))
     # static: avx2 is also the int8 one-row kernel of the onednn and avx512f rungs; avx512f only where
     # neither avx512 nor oneDNN's bf16 GEMM runs
     for name in ("avx512", "avx512f", "avx2"):
@@ -289,8 +306,8 @@ def _decide(measuring: bool = False) -> Probe:
 
 def reset() -> None:
     """Forget the decision (tests that change PLUGINS_KERNELS)."""
-    global _PROBE
-    _PROBE = None
+    global _DECISION, _PROBE
+    _DECISION = _PROBE = None
 
 
 _ROWS_ALONE = False  # plain global, as _PROBE
@@ -325,7 +342,7 @@ def bf16_choice(x: torch.Tensor) -> str | None:
         return None
     rows = choice_rows(x.numel() // x.shape[-1])
     if torch.compiler.is_compiling():  # traceable paths only; inductor packs weights itself
-        return "torch" if _PROBE is None or _PROBE.bf16_gemm or rows <= 1 else "fp32"
+        return "torch" if _DECISION is None or _DECISION.bf16_gemm or rows <= 1 else "fp32"
     return probe().bf16(rows)
 
 
@@ -349,7 +366,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if gelu else "none", [],
                                                   "tanh" if gelu else "")
     if impl in ("fp32", "fp32-whole"):
-        module = next(iter(probe().modules.values()), None) if not torch.compiler.is_compiling() else None
+        module = next(iter(decision().modules.values()), None) if not torch.compiler.is_compiling() else None
         if module is not None and impl == "fp32":
             out = module.linear_fp32(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
             return out.view(*x.shape[:-1], weight.shape[0])

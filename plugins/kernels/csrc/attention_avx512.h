@@ -77,8 +77,8 @@ inline void weighted_sum1(const float* p, const float* vf, int64_t D, int64_t n,
 // q [B, H, D], k and v [B, L, D] (head dim contiguous, other strides free: views of the cache),
 // allowed [B, L] bool or None -> [B, H * D]: softmax(scale * q k^T, over allowed keys) v per head.
 // A sequence with no allowed key gets zeros.
-torch::Tensor mqa_decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   const c10::optional<torch::Tensor>& allowed, double scale) {
+at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const c10::optional<at::Tensor>& allowed, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "bf16 q, k, v");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
@@ -94,7 +94,7 @@ torch::Tensor mqa_decode_attention(const torch::Tensor& q, const torch::Tensor& 
     mb = allowed->stride(0);
     ml = allowed->stride(1);
   }
-  auto out = torch::empty({B, H * D}, q.options());
+  auto out = at::empty({B, H * D}, q.options());
   const bf16 *qp = q.data_ptr<bf16>(), *kp = k.data_ptr<bf16>(), *vp = v.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   // strides read once: Tensor::stride() checks its argument on every call

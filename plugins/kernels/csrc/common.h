@@ -8,8 +8,14 @@
 // instructions in the same order whatever the number of input rows (row-invariant).
 #pragma once
 
-#include <torch/extension.h>
+// The few ATen headers the kernels use, not <torch/extension.h>: that one (all of libtorch's C++
+// API) is most of the compile time of a kernel.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -19,14 +25,14 @@ namespace decode {
 
 using bf16 = at::BFloat16;
 
-inline void check_inputs(const torch::Tensor& x, const torch::Tensor& weight, at::ScalarType weight_type) {
+inline void check_inputs(const at::Tensor& x, const at::Tensor& weight, at::ScalarType weight_type) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == weight_type, "bf16 x, weight of ",
               weight_type);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K], weight [N, K]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs only");
 }
 
-inline const bf16* vector_ptr(const c10::optional<torch::Tensor>& t, int64_t N, const char* name) {
+inline const bf16* vector_ptr(const c10::optional<at::Tensor>& t, int64_t N, const char* name) {
   if (!t.has_value() || !t->defined()) return nullptr;
   TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->numel() == N && t->is_contiguous(), name, " must be [N] bf16");
   return t->data_ptr<bf16>();
@@ -48,10 +54,10 @@ inline void finish_row_scalar(const float* dot, int64_t count, const bf16* scale
 // sequential stream each: measured faster than interleaving rows), keep their dots in fp32 and
 // finish each input row's run at once (`finish`: finish_row_scalar's contract).
 template <typename RowDots, typename Finish>
-torch::Tensor for_each_output(const torch::Tensor& x, int64_t N, const bf16* scales, const bf16* bias, bool gelu,
+at::Tensor for_each_output(const at::Tensor& x, int64_t N, const bf16* scales, const bf16* bias, bool gelu,
                               const RowDots& row_dots, const Finish& finish) {
   const int64_t M = x.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     const int64_t width = end - begin;
@@ -87,18 +93,18 @@ inline int32_t to_fixed_point(bf16 v, float scale) {
 // converts a tile of weight rows into its own small buffer (reused: no large allocation, no page
 // faults) and multiplies it with torch's fp32 GEMM (single-threaded inside the parallel region);
 // the epilogue is the kernels' own. Memory: one tile per thread (~1 MB), never a copy of the weight.
-inline torch::Tensor linear_fp32_tiles(const torch::Tensor& x, const torch::Tensor& weight,
-                                       const c10::optional<torch::Tensor>& bias, bool gelu) {
+inline at::Tensor linear_fp32_tiles(const at::Tensor& x, const at::Tensor& weight,
+                                       const c10::optional<at::Tensor>& bias, bool gelu) {
   check_inputs(x, weight, at::kBFloat16);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const bf16* bp = vector_ptr(bias, N, "bias");
   const auto x32 = x.to(at::kFloat);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   const bf16* wp = weight.data_ptr<bf16>();
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(256, (1 << 18) / std::max<int64_t>(K, 1)));
   at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    auto wt = torch::empty({tile, K}, x32.options());
+    auto wt = at::empty({tile, K}, x32.options());
     float* wtp = wt.data_ptr<float>();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, rows = std::min(tile, N - n0);

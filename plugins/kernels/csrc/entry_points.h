@@ -8,6 +8,8 @@
 // MQA_DECODE_ATTENTION (bound as `mqa_decode_attention`).
 #pragma once
 
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster
+
 #ifndef FINISH_ROW
 #define FINISH_ROW decode::finish_row_scalar
 #endif
@@ -24,7 +26,7 @@ void row_int8(const FixedPointRows& f, const int8_t* w, int64_t M, int64_t K, fl
 
 #ifndef BF16_TILES_LINEAR
 // x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 or None -> [M, N] bf16.
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gelu) {
+at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, bool gelu) {
   decode::check_inputs(x, weight, at::kBFloat16);
   const int64_t M = x.size(0), K = x.size(1);
   const decode::bf16* xp = x.data_ptr<decode::bf16>();
@@ -35,8 +37,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
 #endif
 
 // x [M, K] bf16, weight [N, K] int8, scales [N] bf16 (weight ~= int8 * scale), bias [N] bf16 or None.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias, bool gelu) {
+at::Tensor linear_int8(at::Tensor x, at::Tensor weight, at::Tensor scales,
+                          c10::optional<at::Tensor> bias, bool gelu) {
   decode::check_inputs(x, weight, at::kChar);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
 #ifdef INT8_ROWS

@@ -136,7 +136,7 @@ constexpr Bf16Tile BF16_TILES[BF16_ROW_TILE + 1] = {nullptr, bf16_tile<1>, bf16_
 
 // x [M, K] bf16; packed bf16 [T, K2, 64, 2] (K2 = ceil(K / 2), zero past N and K); bias [N] bf16 or
 // None -> [M, N] bf16, through the one-row kernels' epilogue.
-torch::Tensor linear_bf16_tiles(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
+at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
                                 bool gelu) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: [M, K] bf16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 64 &&
@@ -146,11 +146,11 @@ torch::Tensor linear_bf16_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
   const bf16* bp = decode::vector_ptr(bias, N, "bias");
   // activation pairs, zero-padded when K is odd (the last pair's second input)
 #ifdef __AVX512BF16__
-  const torch::Tensor xs = K % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
+  const at::Tensor xs = K % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
   const XPair* xp = reinterpret_cast<const XPair*>(xs.data_ptr<bf16>());
 #else
   // in fp32, widened here (torch's own conversion took ~4x the time, measured at 16 x 8192)
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   std::vector<float> xs(M * K2 * 2, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     const bf16* src = xc.data_ptr<bf16>() + m * K;
@@ -163,7 +163,7 @@ torch::Tensor linear_bf16_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
   const XPair* xp = xs.data();
 #endif
   const bf16* wp = packed.data_ptr<bf16>();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   const int64_t tile_elems = K2 * 128, blocks = (K2 + BF16_BLOCK - 1) / BF16_BLOCK;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {

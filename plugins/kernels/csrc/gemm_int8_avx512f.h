@@ -175,8 +175,8 @@ constexpr Int8Tile INT8_TILES[INT8_ROW_TILE + 1] = {nullptr, int8_tile<1>, int8_
 // x [M, K] bf16; packed int8 [T, K2, 64, 2] (plugins.kernels.pack_tiles of the [N, K] int8 weight: zero past
 // N and K); scales [N] bf16 (weight ~= int8 * scale); bias [N] bf16 or None -> [M, N] bf16, each output
 // equal to linear_int8's.
-torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor scales,
-                                c10::optional<torch::Tensor> bias, bool gelu) {
+at::Tensor linear_int8_tiles(at::Tensor x, at::Tensor packed, int64_t N, at::Tensor scales,
+                                c10::optional<at::Tensor> bias, bool gelu) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bf16");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 64 &&
                   packed.size(3) == 2 && packed.is_contiguous(), "packed: contiguous [T, K2, 64, 2] int8");
@@ -188,7 +188,7 @@ torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
   const int32_t* xp = reinterpret_cast<const int32_t*>(f.q.data());  // activation pairs, K32 / 2 per row
   const int64_t row_pairs = f.K32 / 2;
   const int8_t* wp = packed.data_ptr<int8_t>();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> sums(M * INT8_COLS);
@@ -215,7 +215,7 @@ torch::Tensor linear_int8_tiles(torch::Tensor x, torch::Tensor packed, int64_t N
 }
 
 // The weight as stored, more than one row: DOT_ROWS rows per pass over each weight row.
-torch::Tensor linear_int8_rows(const torch::Tensor& x, const torch::Tensor& weight, const bf16* scales,
+at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& weight, const bf16* scales,
                                const bf16* bias, bool gelu) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);

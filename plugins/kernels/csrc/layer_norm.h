@@ -24,18 +24,18 @@ inline uint16_t round_bf16(float f) {
   return f != f ? static_cast<uint16_t>(0x7fc0) : r;
 }
 
-inline const uint16_t* rows_ptr(const c10::optional<torch::Tensor>& t, const torch::Tensor& like, const char* name) {
+inline const uint16_t* rows_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& like, const char* name) {
   if (!t.has_value() || !t->defined()) return nullptr;
   TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->sizes() == like.sizes(), name,
               " must be contiguous bf16 of x's shape");
   return reinterpret_cast<const uint16_t*>(t->data_ptr<bf16>());
 }
 
-inline const uint16_t* vec_ptr(const c10::optional<torch::Tensor>& t, int64_t N, const char* name) {
+inline const uint16_t* vec_ptr(const c10::optional<at::Tensor>& t, int64_t N, const char* name) {
   return reinterpret_cast<const uint16_t*>(vector_ptr(t, N, name));
 }
 
-inline void check_rows(const torch::Tensor& x) {
+inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous bf16 [M, N]");
 }
 
@@ -59,9 +59,9 @@ inline void add_round(const uint16_t* a, const uint16_t* b, const uint16_t* c, i
 }
 
 // s = bf16(x + y + bias) (s = x without y) -> (s, bf16((s - mean) / sqrt(var + eps) * gamma + beta)).
-inline std::vector<torch::Tensor> add_layer_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& y,
-                                                 const c10::optional<torch::Tensor>& bias, const torch::Tensor& gamma,
-                                                 const torch::Tensor& beta, double eps) {
+inline std::vector<at::Tensor> add_layer_norm(const at::Tensor& x, const c10::optional<at::Tensor>& y,
+                                                 const c10::optional<at::Tensor>& bias, const at::Tensor& gamma,
+                                                 const at::Tensor& beta, double eps) {
   check_rows(x);
   const int64_t M = x.size(0), N = x.size(1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
@@ -71,8 +71,8 @@ inline std::vector<torch::Tensor> add_layer_norm(const torch::Tensor& x, const c
   const uint16_t* betap = vec_ptr(beta, N, "beta");
   TORCH_CHECK(gp && betap, "gamma and beta are required");
   TORCH_CHECK(yp || !bp, "bias without y");
-  const torch::Tensor s = yp ? torch::empty_like(x) : x;
-  torch::Tensor out = torch::empty_like(x);
+  const at::Tensor s = yp ? at::empty_like(x) : x;
+  at::Tensor out = at::empty_like(x);
   uint16_t* sp = reinterpret_cast<uint16_t*>(s.data_ptr<bf16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<bf16>());
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
@@ -109,8 +109,8 @@ inline void add_store(const float* r, const uint16_t* y, const uint16_t* bias, i
 
 // In place: x = bf16(bf16(x + a + a_bias) + y + y_bias), the two residual adds of a layer (the
 // attention output a, the MLP output y, each without its bias).
-inline void add_residuals_(torch::Tensor x, const torch::Tensor& a, const c10::optional<torch::Tensor>& a_bias,
-                           const torch::Tensor& y, const c10::optional<torch::Tensor>& y_bias) {
+inline void add_residuals_(at::Tensor x, const at::Tensor& a, const c10::optional<at::Tensor>& a_bias,
+                           const at::Tensor& y, const c10::optional<at::Tensor>& y_bias) {
   check_rows(x);
   const int64_t M = x.size(0), N = x.size(1);
   const uint16_t* ap = rows_ptr(a, x, "a");

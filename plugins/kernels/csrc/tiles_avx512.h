@@ -158,12 +158,12 @@ inline void tile_dots(const int32_t* sums, int64_t q_sum, float sx, float* dot) 
   }
 }
 
-torch::Tensor linear_int8_rows(const torch::Tensor& x, const torch::Tensor& weight, const bf16* scales,
+at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& weight, const bf16* scales,
                                const bf16* bias, bool gelu) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K);
   const int8_t* wp = weight.data_ptr<int8_t>();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   const int64_t groups = (M + ROW_TILE - 1) / ROW_TILE;
   at::parallel_for(0, (N + TILE_COLS - 1) / TILE_COLS, 1, [&](int64_t begin, int64_t end) {
@@ -243,8 +243,8 @@ void int4_tile(const FixedPointRows& f, int64_t m0, const uint8_t* tile, const b
 
 // x [M, K] bf16; packed uint8 [T, K' / 4, 128] (K' = K rounded up to a group); scale_zeros bf16
 // [T, K' / INT4_GROUP, 2, 64]; N <= 64 T outputs; bias [N] bf16 or None -> [M, N] bf16.
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zeros, int64_t N,
-                          c10::optional<torch::Tensor> bias, bool gelu) {
+at::Tensor linear_int4(at::Tensor x, at::Tensor packed, at::Tensor scale_zeros, int64_t N,
+                          c10::optional<at::Tensor> bias, bool gelu) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bf16");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 128 && packed.is_contiguous(),
               "packed: contiguous [T, K / 4, 128] uint8");
@@ -258,7 +258,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const FixedPointRows f = to_fixed_point_rows(x.data_ptr<bf16>(), M, K, INT4_GROUP);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const bf16* sp = scale_zeros.data_ptr<bf16>();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * TILE_COLS), dot(TILE_COLS);
