@@ -17,16 +17,20 @@ import pickle
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 from safetensors.torch import save_file
-from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+from transformers import GPTBigCodeConfig
 
 from plugins.core.atomic import atomic_dir
 from plugins.core.config import ConfigError, check_hf_config, hf_shapes
 from plugins.core.hf_files import ARCHITECTURES, is_complete, write_companions
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
+
+if TYPE_CHECKING:
+    from transformers import GPTBigCodeForCausalLM
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -46,6 +50,8 @@ def _init_tensor(name: str, tensor: torch.Tensor, config: GPTBigCodeConfig, gen:
 
 def _build_empty(config: GPTBigCodeConfig) -> GPTBigCodeForCausalLM:
     """The module tree with uninitialised storage: no init pass, no copy."""
+    from transformers import GPTBigCodeForCausalLM  # here: the modeling code is most of transformers' import time
+
     with torch.device("meta"):
         model = GPTBigCodeForCausalLM(config)
     model.to_empty(device="cpu")
