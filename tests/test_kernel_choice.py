@@ -200,11 +200,10 @@ def test_table_mode_switch(monkeypatch):
                     assert times[native.choices[kind][i]] == min(times.values())
 
 
-
-
 def test_fp32_runs_time_nothing_and_the_first_bf16_linear_measures(monkeypatch, ckpt):
     """The kernels are built when DeepSpeed's layers are injected; the implementations are timed only
-    when a bf16 or int8 linear first asks which to run (an fp32 run never does)."""
+    when a linear first asks which to run (an fp32 run never does), and only for its kind: a bf16 run
+    times no int8 or int4 candidate."""
     from plugins.engine.registry import load_backend
 
     monkeypatch.setenv(kernels.TABLE_ENV, "measured")
@@ -216,10 +215,17 @@ def test_fp32_runs_time_nothing_and_the_first_bf16_linear_measures(monkeypatch, 
         assert kernels._DECISION is not None and kernels._PROBE is None
         assert kernels.decision().describe() == {"rung": kernels.decision().rung, "forced": kernels.forced_rung(),
                                                  "bf16_gemm": kernels.decision().bf16_gemm,
-                                                 "table": "not measured (no bf16 or int8 linear ran)"}
+                                                 "table": "not measured (no bf16, int8 or int4 linear ran)"}
         kernels.linear(torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16())
-        assert kernels._PROBE is not None and kernels._PROBE.choices is not None
-        assert kernels._PROBE.describe()["table"] == "measured"
+        assert kernels._PROBE is not None and set(kernels._PROBE.choices) == set(kernels._PROBE.timings) == {"bf16"}
+        described = kernels._PROBE.describe()
+        assert described["table"] == "measured"
+        assert set(described["bf16"].values()) <= set(kernels.decision().candidates("bf16"))
+        assert described["int8"] == described["int4"] == "not measured (no linear of this kind ran)"
+        q, scales = quantize_per_channel(torch.randn(32, 64).bfloat16())
+        int8_linear(torch.randn(2, 64).bfloat16(), q, scales.bfloat16(), None)  # now int8 is timed too, not int4
+        assert set(kernels._PROBE.choices) == set(kernels._PROBE.timings) == {"bf16", "int8"}
+        assert kernels._PROBE.describe()["int8"]["1"] in kernels.decision().candidates("int8")
     finally:
         monkeypatch.undo()
         kernels.reset()

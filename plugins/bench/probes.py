@@ -86,7 +86,7 @@ def measure_machine(dtype: torch.dtype) -> dict:
     """The figures `configs/hardware/cpu-measured.yaml` leaves to be measured (+ the GEMV rate, for reading)."""
     bw = measure_bandwidth()
     mem = torch.cuda.get_device_properties(0).total_memory if device() == "cuda" else psutil.virtual_memory().total
-    path = "cuda" if device() == "cuda" else (kernels.probe().bf16(2048) if dtype == torch.bfloat16 else "torch")
+    path = "cuda" if device() == "cuda" else (kernels.probe("bf16").bf16(2048) if dtype == torch.bfloat16 else "torch")
     return {"mem_bw": bw, "peak_flops": measure_gemm(dtype), "mem_bytes": float(mem), "link_bw": bw,
             "gemv_bw": measure_gemv(dtype), "gemm_dtype": str(dtype).replace("torch.", ""), "gemm_path": path}
 
@@ -121,7 +121,7 @@ def environment(dtype: torch.dtype) -> dict:
         "ram_bytes": psutil.virtual_memory().total,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cpu_kernels": None if torch.cuda.is_available() else
-        (kernels.probe() if dtype == torch.bfloat16 else kernels.decision()).describe(),
+        (kernels.probe("bf16") if dtype == torch.bfloat16 else kernels.decision()).describe(),
         "git_commit": commit,
     }
 

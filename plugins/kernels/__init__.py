@@ -19,9 +19,9 @@ The ladder, fastest first; each rung is a real path with its own tests:
 (a build failure warns once and steps down), capped by the environment variable
 PLUGINS_KERNELS=<rung>, so a machine with AVX512 runs the lower paths too (tests, CI).
 
-Which implementation a linear of a given row count runs (`probe()`, asked by the first bf16 or int8
-linear) is then measured, not read from a table of CPU flags (plugins/kernels/measure.py): on first
-use per machine every candidate this CPU runs (our
+Which implementation a linear of a given row count runs (`probe(kind)`, asked by the first linear of
+that kind: bf16, int8 or int4) is then measured, not read from a table of CPU flags
+(plugins/kernels/measure.py): on first use per machine and kind every candidate this CPU runs (our
 kernels, oneDNN's packed bf16 linear, which uses AMX tiles where the CPU has them, torch's own ops)
 is timed on a santacoder-1b layer at one row count per bucket of BUCKETS (decode, verify, batch,
 prefill), and the fastest is used per bucket; the timings are cached beside the compiled kernels,
@@ -98,24 +98,30 @@ class Probe:
     bf16_gemm: bool            # multi-row bf16 has a fast GEMM (oneDNN packing) at this rung
     forced: str | None = None  # the PLUGINS_KERNELS cap, if set
     modules: dict = field(default_factory=dict, compare=False, repr=False)  # compiled kernels by name
-    # measured: kind -> implementation per bucket (None: the static ladder), and the timings behind it
+    # measured: kind -> implementation per bucket for the kinds timed so far (None: the static ladder;
+    # a kind not timed yet runs its static choice), and the timings behind them
     choices: dict | None = None
     timings: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bf16(self, rows: int) -> str:
         """'avx512' | 'avx512f' | 'avx2' (our kernels), 'onednn', 'fp32' (fp32 GEMMs on weight tiles each
         thread converts), 'fp32-whole' (the weight converted for the call, one fp32 GEMM), 'torch'."""
-        return self.choices["bf16"][bucket(rows)] if self.choices else self.static("bf16", rows)
+        return self._choice("bf16", rows)
 
     def int8(self, rows: int) -> str:
         """'avx512' | 'avx512f' | 'avx2' (our kernels), 'torch' (aten._weight_int8pack_mm) or 'dequant'
         (the weight widened to bf16 for the call, then the bf16 choice)."""
-        return self.choices["int8"][bucket(rows)] if self.choices else self.static("int8", rows)
+        return self._choice("int8", rows)
 
     def int4(self) -> str:
         """'avx512' (our kernel, bf16 activations, any rows) or 'torch' (aten._weight_int4pack_mm_for_cpu):
         one pack per weight, so one answer for every row count (the faster at one row)."""
-        return self.choices["int4"][0] if self.choices else self.static("int4", 1)
+        return self._choice("int4", 1)
+
+    def _choice(self, kind: str, rows: int) -> str:
+        if self.choices and kind in self.choices:
+            return self.choices[kind][0 if kind == "int4" else bucket(rows)]
+        return self.static(kind, rows)
 
     def static(self, kind: str, rows: int) -> str:
         """The ladder's fixed choice (no timing): what PLUGINS_KERNELS_TABLE=static runs."""
@@ -160,11 +166,14 @@ class Probe:
         out = {"rung": self.rung, "forced": self.forced, "bf16_gemm": self.bf16_gemm,
                "table": "measured" if self.choices else table_mode()}
         if out["table"] == "measured" and not self.choices:  # `decision()`: nothing asked for a choice yet
-            return out | {"table": "not measured (no bf16 or int8 linear ran)"}
+            return out | {"table": "not measured (no bf16, int8 or int4 linear ran)"}
         labels = [bucket_label(i) for i in range(len(BUCKETS) + 1)]
         rows = [1, *(top for top in BUCKETS[1:]), BUCKETS[-1] + 1]  # a row count in each bucket
-        out |= {"bf16": {label: self.bf16(r) for label, r in zip(labels, rows)},
-                "int8": {label: self.int8(r) for label, r in zip(labels, rows)}, "int4": self.int4()}
+        unasked = "not measured (no linear of this kind ran)"
+        for kind in ("bf16", "int8"):
+            out[kind] = (unasked if self.choices and kind not in self.choices
+                         else {label: self._choice(kind, r) for label, r in zip(labels, rows)})
+        out["int4"] = unasked if self.choices and "int4" not in self.choices else self.int4()
         if self.timings:
             out["timings_ms"] = self.timings
         return out
@@ -241,6 +250,7 @@ def supported(name: str, caps: dict | None = None) -> bool:
 
 _DECISION: Probe | None = None  # plain globals: torch.compile reads them without tracing the probe
 _PROBE: Probe | None = None
+_TIMING = False  # a timing runs now: the linears it runs are named, and nothing asked inside times again
 
 
 def decision() -> Probe:
@@ -252,23 +262,30 @@ def decision() -> Probe:
     return _DECISION
 
 
-def probe() -> Probe:
-    """The ladder decision with each linear's implementation per row bucket: measured on first use
-    per machine (then read from the cache file), or the static ladder."""
-    global _PROBE
+def probe(kind: str | None = None) -> Probe:
+    """The ladder decision with the implementation per row bucket of `kind`'s linears ("bf16",
+    "int8", "int4"; None: every kind): measured on first use per machine and kind (then read from the
+    cache file), or the static ladder. A bf16 server never times the int8 or int4 candidates."""
+    global _PROBE, _TIMING
     if _PROBE is None:
-        found = decision()
-        if table_mode() == "measured":
-            _PROBE = found  # the timing runs each candidate through `linear` (impl named) at this rung
-            from plugins.kernels.measure import measured_choices
+        _PROBE = decision()
+    kinds = [k for k in ((kind,) if kind else KINDS) if k not in (_PROBE.choices or {})]
+    if kinds and not _TIMING and table_mode() == "measured":
+        from plugins.kernels.measure import measured_choices
 
-            try:
-                choices, timings = measured_choices(found)
-                found = replace(found, choices=choices, timings=timings)
-            except Exception as exc:  # a candidate that fails to run here: the static ladder, said once
-                warnings.warn(f"timing the linear implementations failed ({type(exc).__name__}: {exc}); "
-                              "using the static ladder")
-        _PROBE = found
+        found, _TIMING = _PROBE, True
+        try:
+            choices, timings = measured_choices(found, kinds=kinds)
+            _PROBE = replace(found, choices={**(found.choices or {}), **choices},
+                             timings={**found.timings, **timings})
+        except Exception as exc:  # a candidate that fails to run here: the static ladder for these, said once
+            warnings.warn(f"timing the {'/'.join(kinds)} linear implementations failed "
+                          f"({type(exc).__name__}: {exc}); using the static ladder")
+            _PROBE = replace(found, choices={**(found.choices or {}),
+                                             **{k: tuple(found.static(k, r) for r in (1, *BUCKETS[1:], BUCKETS[-1] + 1))
+                                                for k in kinds}})
+        finally:
+            _TIMING = False
     return _PROBE
 
 
@@ -306,8 +323,9 @@ def _decide(measuring: bool = False) -> Probe:
 
 def reset() -> None:
     """Forget the decision (tests that change PLUGINS_KERNELS)."""
-    global _DECISION, _PROBE
+    global _DECISION, _PROBE, _TIMING
     _DECISION = _PROBE = None
+    _TIMING = False
 
 
 _ROWS_ALONE = False  # plain global, as _PROBE
@@ -343,7 +361,7 @@ def bf16_choice(x: torch.Tensor) -> str | None:
     rows = choice_rows(x.numel() // x.shape[-1])
     if torch.compiler.is_compiling():  # traceable paths only; inductor packs weights itself
         return "torch" if _DECISION is None or _DECISION.bf16_gemm or rows <= 1 else "fp32"
-    return probe().bf16(rows)
+    return probe("bf16").bf16(rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,
@@ -355,11 +373,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     impl = impl or bf16_choice(x)
     if impl in TILED:  # without `packs`, the weight is packed for this call only
         packed = (packs or PackedWeights()).get(weight, impl)
-        out = probe().kernel(impl).linear_tiles(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0],
-                                                bias, gelu)
+        out = decision().kernel(impl).linear_tiles(x.reshape(-1, x.shape[-1]).contiguous(), packed,
+                                                   weight.shape[0], bias, gelu)
         return out.view(*x.shape[:-1], weight.shape[0])
     if impl == "avx2":
-        out = probe().kernel(impl).linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
+        out = decision().kernel(impl).linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, gelu)
         return out.view(*x.shape[:-1], weight.shape[0])
     if impl == "onednn":
         packed = (packs or PackedWeights()).get(weight)
@@ -381,7 +399,7 @@ def paths(dtype: torch.dtype, batch: int, prompt_len: int, int8: bool = False) -
     batch x prompt_len rows, in `dtype` on CPU (the probe's choice; CUDA and fp32: 'torch')."""
     if dtype != torch.bfloat16 or torch.cuda.is_available():
         return {"decode": "torch", "prefill": "torch"}
-    p = probe()
+    p = probe("int8" if int8 else "bf16")
     if int8:
         return {"decode": f"int8 {p.int8(batch)}", "prefill": f"int8 {p.int8(batch * prompt_len)}"}
     return {"decode": p.bf16(batch), "prefill": p.bf16(batch * prompt_len)}

@@ -1,6 +1,7 @@
 """Choose each linear's implementation by timing it on this machine (the probe's measured table).
 
-On first use per machine, every candidate of `Probe.candidates` (bf16, int8, int4) runs the four
+On first use per machine and kind, every candidate of `Probe.candidates` for that kind (bf16, int8
+or int4: only the kinds the process asks for) runs the four
 linears of one santacoder-1b layer (85 MB of bf16 weights: past the caches, as a real step is) at
 one row count per bucket (TIMED_ROWS; the last, 2048 rows, on its two MLP linears only), interleaved
 with the other candidates of that bucket, best of a few passes (fewer where a pass is long). A
@@ -67,11 +68,12 @@ def cache_dir() -> Path:
     return Path(_get_build_directory("kernel_choices", verbose=False))
 
 
-def measured_choices(p: Probe, path: Path | None = None) -> tuple[dict, dict]:
+def measured_choices(p: Probe, path: Path | None = None, kinds=KINDS) -> tuple[dict, dict]:
     """(choices: kind -> implementation per bucket, timings: kind -> bucket label -> {impl: ms}) for the
-    candidates `p` offers, from the cache file when it holds them all, else timed now (and cached)."""
+    candidates `p` offers for `kinds`, from the cache file when it holds them all, else timed now (and
+    cached beside the other kinds' timings)."""
     path = path or cache_dir() / f"{machine_key()}.json"
-    wanted = {kind: p.candidates(kind) for kind in KINDS}
+    wanted = {kind: p.candidates(kind) for kind in kinds}
     timings = _read(path)
     if not _covers(timings, wanted):
         with _locked(path.with_suffix(".lock")):
@@ -79,17 +81,19 @@ def measured_choices(p: Probe, path: Path | None = None) -> tuple[dict, dict]:
             if not _covers(timings, wanted):
                 from plugins.core.console import announce
 
-                announce("timing the CPU linear implementations on this machine (once per machine and thread count, ~30-60 s)...")
+                announce(f"timing the CPU {'/'.join(wanted)} linear implementations on this machine (once per machine, "
+                         "kind and thread count, ~20-60 s)...")
                 timings = _merge(timings, time_candidates(wanted))
                 _write(path, timings)
     return choose(timings, wanted), {k: {b: {i: timings[k][b][i] for i in wanted[k]} for b in timings[k]}
-                                     for k in KINDS}
+                                     for k in wanted}
 
 
 def choose(timings: dict, wanted: dict) -> dict:
-    """The fastest candidate per kind and bucket; the one-row bucket among row-invariant ones (if any)."""
+    """The fastest candidate per kind (of `wanted`) and bucket; the one-row bucket among row-invariant
+    ones (if any)."""
     choices = {}
-    for kind in KINDS:
+    for kind in wanted:
         invariant = ROW_INVARIANT if kind == "bf16" else INT8_ROW_INVARIANT if kind == "int8" else wanted[kind]
         row = []
         for i in range(len(BUCKETS) + 1):
@@ -102,12 +106,12 @@ def choose(timings: dict, wanted: dict) -> dict:
 
 
 def time_candidates(wanted: dict, layer=LAYER) -> dict:
-    """kind -> bucket label -> {impl: best ms of one pass over `layer`'s linears}."""
+    """kind (of `wanted`) -> bucket label -> {impl: best ms of one pass over `layer`'s linears}."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in layer]
     biases = [torch.randn(n, generator=gen).bfloat16() for n, _ in layer]
-    int8 = [(q, s.bfloat16()) for q, s in map(quantize_per_channel, weights)]
-    int4 = {impl: [quantize_int4(w.float(), layout=impl) for w in weights] for impl in wanted["int4"]}
+    int8 = [(q, s.bfloat16()) for q, s in map(quantize_per_channel, weights)] if "int8" in wanted else []
+    int4 = {impl: [quantize_int4(w.float(), layout=impl) for w in weights] for impl in wanted.get("int4", ())}
     packs = PackedWeights()
 
     def runner(kind, impl, x, only=None):
@@ -120,17 +124,17 @@ def time_candidates(wanted: dict, layer=LAYER) -> dict:
         return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(pick(int4[impl]), pick(biases))]
 
     x = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
-    for kind in KINDS:  # packs made (once per weight, as in a model) before anything is timed
+    for kind in wanted:  # packs made (once per weight, as in a model) before anything is timed
         for impl in wanted[kind]:
             runner(kind, impl, x)()
-    out = {kind: {} for kind in KINDS}
-    dropped = {kind: set() for kind in KINDS}
+    out = {kind: {} for kind in wanted}
+    dropped = {kind: set() for kind in wanted}
     last = len(TIMED_ROWS) - 1
     for i, rows in enumerate(TIMED_ROWS):
         x = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
         # the last bucket on the MLP's two linears (80 % of the FLOPs; their shapes favour different paths)
         only = sorted(range(len(layer)), key=lambda j: -layer[j][0] * layer[j][1])[:2] if i == last else None
-        for kind in KINDS:
+        for kind in wanted:
             live = {impl: runner(kind, impl, x, only) for impl in wanted[kind] if impl not in dropped[kind]}
             times = _race(live)
             best = min(times.values())
@@ -165,7 +169,7 @@ def _race(fns: dict) -> dict:
 def _covers(timings: dict | None, wanted: dict) -> bool:
     try:
         return all(set(wanted[k]) <= set(timings[k][bucket_label(i)])
-                   for k in KINDS for i in range(len(BUCKETS) + 1))
+                   for k in wanted for i in range(len(BUCKETS) + 1))
     except (KeyError, TypeError):
         return False
 
@@ -179,15 +183,16 @@ def _merge(old: dict | None, new: dict) -> dict:
 
 
 def _read(path: Path) -> dict | None:
-    """The cached timings, or None when absent or not of the expected shape (then timed again)."""
+    """The cached timings (the kinds timed so far), or None when absent or not of the expected shape
+    (then timed again)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     ok = isinstance(data, dict) and all(
-        isinstance(data.get(k), dict) and all(
+        isinstance(data[k], dict) and all(
             isinstance(b, dict) and all(v is None or isinstance(v, (int, float)) and v > 0 for v in b.values())
-            and any(v is not None for v in b.values()) for b in data[k].values()) for k in KINDS)
+            and any(v is not None for v in b.values()) for b in data[k].values()) for k in KINDS if k in data)
     return data if ok else None
 
 

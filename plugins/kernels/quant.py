@@ -1,7 +1,7 @@
 """Weight-only quantization; activations stay bf16/fp32.
 
 Decode at small batch is bound by reading weights. int8 (per-output-channel symmetric scales) halves
-the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe()` has one (AVX512-VNNI:
+the bytes of bf16: bf16 activations run our kernel where `plugins.kernels.probe("int8")` has one (AVX512-VNNI:
 any number of rows, as fast as oneDNN's bf16 GEMM from 16 rows; AVX512F: any number of rows; AVX2: one
 row), otherwise torch's own
 `aten._weight_int8pack_mm` (CPU and CUDA), which dequantizes inside the kernel, or the weight
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.kernels import TILED, PackedWeights, bf16_choice, choice_rows, linear, probe
+from plugins.kernels import TILED, PackedWeights, bf16_choice, choice_rows, decision, linear, probe
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,12 +40,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     if x.device.type != "cpu" or x2.dtype != torch.bfloat16 or torch.compiler.is_compiling() or (
             bias is not None and bias.dtype != torch.bfloat16):
         impl = "torch"
-    impl = impl or probe().int8(choice_rows(x2.shape[0]))
+    impl = impl or probe("int8").int8(choice_rows(x2.shape[0]))
     if impl == "avx512f" and packs is not None:
-        out = probe().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias, gelu)
+        out = decision().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     if impl not in ("torch", "dequant"):  # our kernels (any rows)
-        out = probe().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
+        out = decision().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)
         return out.view(*shape[:-1], q.shape[0])
     # 'dequant': the weight widened for this call (~2 passes over it, then the bf16 linear's choice);
     # torch's packed kernel takes fp32 / bf16 activations only, and (CPU, torch 2.13) segfaults when K
@@ -95,7 +95,7 @@ class Int4Weight:
     """A [N, K] weight on the int4_grid of groups of INT4_GROUP inputs, weight = (q - 8) * scale + zero
     (q in 0..15), in one of two packs:
 
-    - "avx512" (bf16 activations where `probe().int4()` names our kernel): `packed` uint8 [T, K' / 4,
+    - "avx512" (bf16 activations where `probe("int4").int4()` names our kernel): `packed` uint8 [T, K' / 4,
       128] in the kernel's order (pack_int4_tiles), `scale_zeros` [T, G, 2, 64] bf16: per tile of 64
       columns and group, the scales then the zero points;
     - "torch": torch's CPU int4 pack (`aten._convert_weight_to_int4pack_for_cpu`: N padded to 64, K
@@ -140,7 +140,7 @@ def quantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16, lay
     q, scales, lo = int4_grid(weight)
     zeros = lo + 8 * scales  # (q - 8) * scale + zero: the zero point is mid-range, small, cheap to round
     if layout is None:
-        layout = probe().int4() if dtype == torch.bfloat16 and weight.device.type == "cpu" else "torch"
+        layout = probe("int4").int4() if dtype == torch.bfloat16 and weight.device.type == "cpu" else "torch"
     if layout != "torch":
         packed, params = pack_int4_tiles(q, scales, zeros)
         return Int4Weight((n, k), packed, params, layout)
@@ -158,7 +158,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, gelu:
     if w.layout != "torch":
         if x2.dtype != torch.bfloat16:
             raise TypeError(f"this int4 weight was packed for bf16 activations, got {x2.dtype}")
-        out = probe().kernel(w.layout).linear_int4(x2.contiguous(), w.packed, w.scale_zeros, n, bias, gelu)
+        out = decision().kernel(w.layout).linear_int4(x2.contiguous(), w.packed, w.scale_zeros, n, bias, gelu)
         return out.reshape(*shape[:-1], n)
     padded = w.scale_zeros.shape[0] * INT4_GROUP
     if padded != k:  # a K that is not a whole number of groups (never santacoder's): zero inputs
