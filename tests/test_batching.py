@@ -28,10 +28,10 @@ def requests(tokenizer, eos=None):
 
 
 def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=None, prefix_cache_bytes=0,
-        steps=None):
+        steps=None, chunk=None):
     """Drive open_batch / step as the server does: FIFO admission while slots are free. `steps`: a list
     that gets (rows decoding before the step, prompt tokens computed in it, its phases, speculation
-    counts) per step."""
+    counts) per step. `chunk(step)`: that step's prompt tokens (as the server's adaptive budget hands them)."""
     batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens=budget)
     state = batch.state()
     waiting, running, out, finished = list(schedule), set(), {}, {}
@@ -43,7 +43,7 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
             admit.append(waiting.pop(0)[1])
         release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
         running.difference_update(release)
-        result = batch.step(admit, release)
+        result = batch.step(admit, release, *([chunk(step)] if chunk else []))
         if steps is not None:
             steps.append((decoding, result["chunk_tokens"], set(result["step_s"]), result.get("speculative")))
         running.update(r.id for r in admit)
@@ -100,6 +100,23 @@ def test_chunked_prefill_matches_generate_alone(tiny_dir, tokenizer, name):
     both = [phases for rows, chunk, phases, _ in steps if chunk and rows]
     assert len(both) >= 4
     assert all(phases == ({"mixed"} if name == "deepspeed" else {"prefill", "decode"}) for phases in both), both
+
+
+@pytest.mark.parametrize("name", ["hf", "deepspeed"])
+def test_a_chunk_size_per_step_matches_generate_alone(tiny_dir, tokenizer, name):
+    """The prompt tokens of each step handed with the step (the server's adaptive budget), changing
+    every step: chunks end anywhere in a prompt, and every request still equals `generate` alone."""
+    backend = load_backend(name, tiny_dir, dtype="float32")
+    schedule = requests(tokenizer)
+    sizes = (5, 1, 23, 2, 9)
+    steps = []
+    _, out, _ = run(backend, schedule, chunk=lambda step: sizes[step % len(sizes)], steps=steps)
+    for _, request in schedule:
+        assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
+    assert all(chunk <= sizes[i % len(sizes)] for i, (_, chunk, _, _) in enumerate(steps)), steps
+    assert {chunk for _, chunk, _, _ in steps} >= {1, 2, 5, 9}
+    with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 1"):
+        open_batch(backend, 2, 32).step([], [], 0)
 
 
 def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer, monkeypatch):
@@ -189,8 +206,9 @@ def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, 
     with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
         _, out, _ = run(backend, schedule)
         _, chunked, _ = run(backend, schedule, budget=16)  # prompts in chunks of <= 16 tokens on every rank
+        _, varied, _ = run(backend, schedule, chunk=lambda step: (3, 17, 1, 8)[step % 4])  # per step, as the front says
         for _, request in schedule:
-            assert out[request.id] == chunked[request.id] == alone(backend, request)
+            assert out[request.id] == chunked[request.id] == varied[request.id] == alone(backend, request)
         # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards
         prompt = prompt_token_ids(tokenizer, 11, 30)
         request = BatchRequest(id=1, prompt=prompt, max_new_tokens=6, repetition_penalty=1.5, logprobs=3,

@@ -27,14 +27,14 @@ import httpx2
 
 from plugins.bench.load import (Req, ServerProcess, http_client, make_requests, open_connections, percentile, results_dir,
                                 served_model, stream_one)
-from plugins.serving.args import add_engine_args
+from plugins.serving.args import add_engine_args, token_budget
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, "server KV pool per rank (default 1GB)")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 64, 128, 256, 512],
-                    help="--max-num-batched-tokens values (0: no chunking)")
+    ap.add_argument("--budgets", type=token_budget, nargs="+", default=[0, 64, 128, 256, 512],
+                    help="--max-num-batched-tokens values (0: no chunking; auto: from measured step times)")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-prompt", type=int, default=128)
     ap.add_argument("--stream-tokens", type=int, default=128)
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     for name in ("streams", "stream_prompt", "stream_tokens", "long", "long_prompt", "long_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if min(args.budgets) < 0:
+    if min((b for b in args.budgets if b != "auto"), default=0) < 0:
         ap.error("--budgets must be >= 0")
     return args
 
@@ -87,6 +87,10 @@ def step_times(url: str) -> dict:
         found = {k: float(v) for k, v in re.findall(rf'^mqa_step_seconds_(sum|count){{phase="{phase}"}} (\S+)$',
                                                      text, re.MULTILINE)}
         out[f"{phase}_steps"], out[f"{phase}_s"] = found.get("count", 0.0), found.get("sum", 0.0)
+    chunks = dict(re.findall(r"^mqa_step_prefill_tokens_(sum|count) (\S+)$", text, re.MULTILINE))
+    zero = re.search(r'^mqa_step_prefill_tokens_bucket{le="0.0"} (\S+)$', text, re.MULTILINE)
+    out["chunk_tokens"] = float(chunks.get("sum", 0))
+    out["chunk_steps"] = float(chunks.get("count", 0)) - (float(zero.group(1)) if zero else 0.0)
     return out
 
 
@@ -113,6 +117,7 @@ def run_budget(args, budget: int, streams: list[Req], longs: list[Req], out: Pat
     tokens = sum(r["tokens"] for r in srecs + lrecs)
     res = {"budget": budget, "errors": errors, "wall_s": wall, "output_tok_s": tokens / wall,
            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "itl_max_s": max(itl, default=None),
+           "itl_longest_s": sorted(itl)[-16:],
            "stream_ttft_p50_s": percentile([r["ttft_s"] for r in srecs], 50),
            "long_ttft_p50_s": percentile([r["ttft_s"] for r in lrecs], 50),
            "long_ttft_max_s": max(r["ttft_s"] or 0 for r in lrecs)}
@@ -121,6 +126,8 @@ def run_budget(args, budget: int, streams: list[Req], longs: list[Req], out: Pat
         res[f"{phase}_steps"] = steps
         res[f"{phase}_mean_s"] = (after[f"{phase}_s"] - before[f"{phase}_s"]) / steps if steps else None
     res["itl_p99_over_p50"] = res["itl_p99_s"] / res["itl_p50_s"] if res["itl_p50_s"] else None
+    chunk_steps = after["chunk_steps"] - before["chunk_steps"]
+    res["chunk_tokens_per_step"] = (after["chunk_tokens"] - before["chunk_tokens"]) / chunk_steps if chunk_steps else None
     return res
 
 
@@ -137,15 +144,16 @@ def main(argv=None) -> int:
     (out / "chunked.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                   "results": results}, indent=2))
     print("| budget | ITL p50 ms | ITL p99 ms | p99/p50 | ITL max ms | long TTFT p50 s | long TTFT max s | "
-          "stream TTFT p50 s | out tok/s | prefill / decode / mixed step ms (steps) | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "stream TTFT p50 s | out tok/s | prefill / decode / mixed step ms (steps) | prompt tokens per chunked step "
+          "| errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"  # noqa: E731
         print(f"| {r['budget'] or 'off'} | {ms(r['itl_p50_s'])} | {ms(r['itl_p99_s'])} | {r['itl_p99_over_p50']:.1f} | "
               f"{ms(r['itl_max_s'])} | {r['long_ttft_p50_s']:.2f} | {r['long_ttft_max_s']:.2f} | "
               f"{r['stream_ttft_p50_s']:.2f} | {r['output_tok_s']:.1f} | "
               + " / ".join(f"{ms(r[p + '_mean_s'])} ({r[p + '_steps']:.0f})" for p in ("prefill", "decode", "mixed"))
-              + f" | {len(r['errors'])} |")
+              + f" | {r['chunk_tokens_per_step'] or 0:.0f} | {len(r['errors'])} |")
     print(f"wrote {out / 'chunked.json'}")
     return 0
 

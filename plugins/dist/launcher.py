@@ -287,8 +287,8 @@ class RemoteBatch:
     def __init__(self, remote: RemoteBackend):
         self._remote = remote
 
-    def step(self, admit=(), release=()) -> dict:
-        return self._remote.call("__batch_step__", list(admit), list(release))
+    def step(self, admit=(), release=(), chunk_tokens: int | None = None) -> dict:
+        return self._remote.call("__batch_step__", list(admit), list(release), chunk_tokens)
 
     def state(self) -> dict:
         return self._remote.call("__batch_state__")

@@ -124,7 +124,7 @@ def check_args(ap, args) -> dict:
     slots = min(slots, args.max_batch)
     if args.num_speculative_tokens < 1:
         ap.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
-    if args.max_num_batched_tokens < 0:
+    if args.max_num_batched_tokens != "auto" and args.max_num_batched_tokens < 0:
         ap.error(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")

@@ -7,9 +7,15 @@ from pathlib import Path
 from plugins.core.config import byte_size
 from plugins.engine.registry import BACKENDS
 
-# Prompt tokens + decode rows per engine step: measured on SantaCoder-1B, 8 streams and 1024-token
-# prompts arriving (docs/results/2026-12-02-chunked-prefill.md).
-DEFAULT_MAX_BATCHED_TOKENS = 128
+# Prompt tokens per engine step from measured step times (plugins.serving.step_budget): a fixed budget
+# that kept streams' ITL p99 within 2.5x p50 on an AMX Xeon let it reach 9-13x on AVX2 / AVX512F CPUs
+# (docs/results/2026-12-04-adaptive-token-budget.md).
+DEFAULT_MAX_BATCHED_TOKENS = "auto"
+
+
+def token_budget(text: str) -> int | str:
+    """A --max-num-batched-tokens value: a token count, or "auto"."""
+    return "auto" if text == "auto" else int(text)
 
 
 def add_engine_args(ap, kv_budget_help: str) -> None:
@@ -26,10 +32,11 @@ def add_engine_args(ap, kv_budget_help: str) -> None:
                          "speculate in offline `generate` only)")
     ap.add_argument("--num-speculative-tokens", type=int, default=10,
                     help="most tokens a row proposes per step (default 10, as transformers' prompt lookup)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+    ap.add_argument("--max-num-batched-tokens", type=token_budget, default=DEFAULT_MAX_BATCHED_TOKENS,
                     help="tokens per engine step, decode rows included: longer prompts are prefilled in chunks "
-                         f"over several steps so running streams keep decoding (default {DEFAULT_MAX_BATCHED_TOKENS}; "
-                         "0: every prompt whole, in the step it is admitted)")
+                         "over several steps so running streams keep decoding (default auto: prompt tokens per step "
+                         "from measured step times, so a step with chunks takes ~1.75x a decode step; 0: every "
+                         "prompt whole, in the step it is admitted)")
 
 
 def engine_options(args) -> dict:
@@ -40,7 +47,7 @@ def engine_options(args) -> dict:
     return options
 
 
-def max_batched_tokens(args) -> int | None:
+def max_batched_tokens(args) -> int | str | None:
     return args.max_num_batched_tokens or None
 
 

@@ -91,15 +91,20 @@ class ContinuousBatch:
         return self.n + sum(len(fill.requests) for fill in self.filling)
 
     @torch.inference_mode()
-    def step(self, admit: list[BatchRequest] = (), release: list[int] = ()) -> dict:
+    def step(self, admit: list[BatchRequest] = (), release: list[int] = (), chunk_tokens: int | None = None) -> dict:
         """Drop `release` (ids), take `admit`, prefill what the token budget allows (whole prompts
-        without one), place the prompts now complete, then one decode step for every active row.
+        without one; `chunk_tokens`: this step's prompt tokens, in place of the batch's budget), place
+        the prompts now complete, then one decode step for every active row.
         Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
         "failed": {id: message}} (requests that raised alone, now released), and where asked
         "logprobs": {id: [(logprob, [(token, logprob) x k]) per new token]}, "prompt_logprobs": {id: the
         same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the
         start; this step's "chunk_tokens" (prompt tokens computed) and "step_s" (seconds by phase:
-        "prefill" and "decode", or "mixed" where the engine ran both in one forward)."""
+        "prefill" and "decode", or "mixed" where the engine ran both in one forward); "running": rows
+        that decode in the next step."""
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ConfigError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
         for request in admit:
             self.check(request)
         if self.held + len(admit) > self.slots:
@@ -118,9 +123,12 @@ class ContinuousBatch:
         logprobs: dict[int, list] = {}
         prompt_logprobs: dict[int, list] = {}
         start = time.perf_counter()
-        budget = float("inf") if self.max_batched_tokens is None else max(self.max_batched_tokens - self.n, 1)
+        if chunk_tokens is not None:
+            budget = chunk_tokens
+        else:
+            budget = float("inf") if self.max_batched_tokens is None else max(self.max_batched_tokens - self.n, 1)
         plan = self._plan(budget)
-        chunk_tokens = sum(end - fill.done for fill, end in plan)
+        computed = sum(end - fill.done for fill, end in plan)
         phases = {}
         if plan and self.rows and getattr(self.decoder, "fuses_chunks", False):
             # one forward: every row's decode step and the chunks (weights read once)
@@ -147,7 +155,7 @@ class ContinuousBatch:
                 self._decode(out, finished, failed, logprobs)
                 phases["decode"] = time.perf_counter() - decode_start
         result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens,
-                  "chunk_tokens": chunk_tokens, "step_s": phases}
+                  "chunk_tokens": computed, "step_s": phases, "running": self.n}
         if logprobs:
             result["logprobs"] = logprobs
         if prompt_logprobs:

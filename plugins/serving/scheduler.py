@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from plugins.serving.batching import open_batch
 from plugins.serving.request import BatchRequest, check_request
+from plugins.serving.step_budget import AdaptiveTokenBudget
 
 
 class QueueFull(RuntimeError):
@@ -56,7 +57,7 @@ def _dispatch(items) -> None:
 
 
 class Metrics:
-    def __init__(self, slots: int, pool_bytes: int):
+    def __init__(self, slots: int, pool_bytes: int, adaptive: bool = False):
         disable_created_metrics()  # no *_created series: they only say when the server started
         self.registry = r = CollectorRegistry()
         self.running = Gauge("mqa_requests_running", "Requests in the running batch", registry=r)
@@ -78,6 +79,8 @@ class Metrics:
         self.steps = Counter("mqa_decode_steps", "Engine steps", registry=r)
         self.step_chunk = Histogram("mqa_step_prefill_tokens", "Prompt tokens computed per engine step "
                                     "(chunked prefill)", registry=r, buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.step_budget = Gauge("mqa_step_token_budget", "Prompt tokens the last engine step could compute "
+                                 "(--max-num-batched-tokens auto)", registry=r) if adaptive else None
         self.step_seconds = Histogram("mqa_step_seconds", "Engine step time by phase: prefill (prompt chunks "
                                       "alone), decode (every running row), mixed (both in one forward)",
                                       ["phase"], registry=r,
@@ -141,13 +144,17 @@ class Scheduler:
     turns /health to 503 and ends the loop; the details go to the server's log only."""
 
     def __init__(self, backend, slots: int, capacity: int, max_waiting: int = 256, prefix_cache_bytes: int = 0,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | str | None = None):
+        """`max_batched_tokens`: the token budget of a step (None: whole prompts), or "auto": prompt
+        tokens per step from measured step times (plugins.serving.step_budget)."""
         self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
-        self.batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
+        self.budget = AdaptiveTokenBudget() if max_batched_tokens == "auto" else None
+        self.batch = open_batch(backend, slots, capacity, prefix_cache_bytes,
+                                None if self.budget else max_batched_tokens)
         self.max_batched_tokens = max_batched_tokens
         state = self.batch.state()
         self.prefix_cache_bytes = prefix_cache_bytes
-        self.metrics = Metrics(slots, state["kv_pool_bytes"])
+        self.metrics = Metrics(slots, state["kv_pool_bytes"], adaptive=self.budget is not None)
         self.pool_bytes = state["kv_pool_bytes"]
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -220,7 +227,11 @@ class Scheduler:
                     self._running[req.params.id] = req
                 self.metrics.waiting.set(len(self._waiting))
             try:
-                result = self.batch.step([r.params for r in admit], release)
+                if self.budget:
+                    result = self.batch.step([r.params for r in admit], release, self.budget.next())
+                    self.budget.observe(result)
+                else:
+                    result = self.batch.step([r.params for r in admit], release)
             except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones
                 self._fail(engine_error(exc), traceback.format_exc())
                 return
@@ -266,6 +277,8 @@ class Scheduler:
                     self.metrics.finished.labels("error").inc()
                     outbox.setdefault(req.loop, []).append((req.queue, ("error", f"this request failed: {message}")))
             self.metrics.step(now, new, result)
+            if self.budget:
+                self.metrics.step_budget.set(self.budget.tokens)
             self.metrics.prefill(result.get("prefill_tokens", 0))
             if "prefix_cache" in result:
                 self.metrics.prefix_cache(result["prefix_cache"])

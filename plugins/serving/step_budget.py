@@ -1,0 +1,78 @@
+"""A token budget that follows the machine: prompt tokens per step chosen from measured step times.
+
+A step that carries prompt chunks takes the decode step's time plus a cost per chunk token, and that
+cost differs ~20x across the CPUs this runs on (an AMX Xeon against an AVX2-only EPYC), so no fixed
+budget bounds the streams' inter-token latency everywhere. This one measures both on the running
+server and lets a step's chunks cost at most `stretch - 1` decode steps: a step with chunks takes
+about `stretch` times a plain decode step, so ITL p99 stays near `stretch` x p50 while prompts arrive.
+
+The cost of a chunk is affine in its tokens (weights read once, then compute per token), and its
+per-token estimate is remeasured every step: budget <- allowance / (observed extra seconds per
+token) converges to the largest chunk that fits the allowance. The budget at most doubles per step
+and a prompt's short tail (under half the budget) is not measured: one noisy reading cannot open a
+stall. With no row decoding, nobody's tokens wait on the chunk, and the step takes up to `most` tokens.
+
+Where the engine runs each chunk as a forward of its own (hf, megatron, TP 2), a chunk of any size
+costs a full read of the weights, about a decode step already: no chunk fits the allowance, and the
+budget stays at `own_forward_tokens` (the fixed default's 128: a chunk that amortizes its weight read).
+
+The decision is the scheduler's (one process), handed to the engine with each step, so tensor-parallel
+ranks all run the same chunks.
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveTokenBudget:
+    def __init__(self, first: int = 16, least: int = 8, most: int = 2048, stretch: float = 1.75,
+                 own_forward_tokens: int = 128):
+        """`first`: the budget while the chunk cost is not known yet (small: the first chunk is a guess)."""
+        if not 1 <= least <= first <= most or not 1 <= own_forward_tokens <= most or stretch <= 1:
+            raise ValueError(f"need 1 <= least <= first <= most, 1 <= own_forward_tokens <= most and stretch > 1, "
+                             f"got {least}, {first}, {most}, {own_forward_tokens}, {stretch}")
+        self.first, self.least, self.most, self.stretch = first, least, most, stretch
+        self.own_forward_tokens = own_forward_tokens
+        self.decode_s: float | None = None     # seconds of a step that only decodes (moving average)
+        self.token_s: float | None = None      # extra seconds per chunk token in a step (moving average)
+        self.decoding = False                  # rows will decode in the next step
+        self.own_forward = False               # the engine prefills chunks in forwards of their own
+        self.tokens = first                    # this step's budget (the last `next()`)
+        self._chunked = first                  # the budget of the last step that computed a chunk while rows decoded
+
+    def next(self) -> int:
+        """Prompt tokens the next step may compute (decode rows not counted)."""
+        if not self.decoding:
+            self.tokens = self.most
+            return self.tokens
+        if self.own_forward:
+            self.tokens = self.own_forward_tokens
+        elif self.decode_s is None or self.token_s is None:
+            self.tokens = self.first
+        else:
+            allowance = (self.stretch - 1) * self.decode_s
+            self.tokens = int(min(max(allowance / self.token_s, self.least), self.most, 2 * self._chunked))
+        return self.tokens
+
+    def observe(self, result: dict) -> None:
+        """A step's result (`ContinuousBatch.step`): its phases' seconds, prompt tokens and rows after it."""
+        phases, chunk = result.get("step_s", {}), result.get("chunk_tokens", 0)
+        decoded, self.decoding = self.decoding, result.get("running", 0) > 0
+        if not decoded:  # no row decoded as the step began: its phases are prompts and newly placed rows
+            return
+        if chunk:
+            self._chunked = self.tokens
+            self.own_forward = "prefill" in phases and "decode" in phases
+        if "decode" in phases:
+            self.decode_s = _average(self.decode_s, phases["decode"], 0.2)
+        if chunk < self.tokens / 2 or self.decode_s is None:
+            return
+        if "mixed" in phases:  # the chunk's share is what the step took beyond a decode step
+            extra = max(phases["mixed"] - self.decode_s, 0.01 * self.decode_s)
+            self.token_s = _average(self.token_s, extra / chunk, 0.5)
+
+    def state(self) -> dict:
+        return {"tokens": self.tokens, "decode_s": self.decode_s, "token_s": self.token_s}
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

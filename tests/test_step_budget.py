@@ -1,0 +1,86 @@
+"""The adaptive token budget against step times that follow the cost model it assumes (a decode step,
+plus a fixed and a per-token cost for a chunk), with the spread seen on these CPUs: it settles on the
+largest chunk whose step stays within `stretch` x a decode step, and one noisy reading does not open a
+long stall."""
+
+import pytest
+
+from plugins.serving.step_budget import AdaptiveTokenBudget
+
+# (decode step s, chunk fixed s, chunk s per token, fused): an AMX Xeon and an AVX2 EPYC on santacoder-1b
+# bf16, the chunk in the decode step's forward (deepspeed) or in its own (hf, megatron, TP 2)
+MACHINES = {"amx": (0.12, 0.0, 0.0013, True), "avx2": (0.64, 0.0, 0.038, True)}
+
+
+def step(decode_s, fixed_s, token_s, fused, chunk, running=8):
+    if not chunk:
+        return {"step_s": {"decode": decode_s}, "chunk_tokens": 0, "running": running}
+    prefill = fixed_s + token_s * chunk
+    phases = {"mixed": decode_s + prefill} if fused else {"prefill": prefill, "decode": decode_s}
+    return {"step_s": phases, "chunk_tokens": chunk, "running": running}
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_settles_on_the_largest_chunk_within_the_stretch(machine):
+    decode_s, fixed_s, token_s, fused = MACHINES[machine]  # chunks in the decode step's forward
+    budget = AdaptiveTokenBudget(first=128, least=8, most=2048, stretch=1.75)
+    for _ in range(2):  # the streams' first decode steps (the first: rows just placed, not a reading)
+        budget.observe(step(decode_s, fixed_s, token_s, fused, 0))
+    sizes = []
+    for _ in range(30):
+        tokens = budget.next()
+        sizes.append(tokens)
+        budget.observe(step(decode_s, fixed_s, token_s, fused, tokens))
+    best = max(int((0.75 * decode_s - fixed_s) / token_s), 8)
+    assert sizes[0] == 128
+    assert abs(sizes[-1] - best) <= max(2, best // 20), sizes
+    step_s = decode_s + fixed_s + token_s * sizes[-1]
+    assert step_s <= 1.8 * decode_s or sizes[-1] == 8, (step_s, decode_s)
+
+
+def test_without_decoding_rows_a_step_takes_the_most_and_a_short_tail_is_not_measured():
+    budget = AdaptiveTokenBudget(first=64, least=8, most=512)
+    assert budget.next() == 512  # nothing decodes yet: nobody to stall
+    budget.observe(step(0.1, 0, 0.001, True, 0))
+    assert budget.next() == 64  # the rows just placed decode: the decode step is not known yet
+    budget.observe(step(0.1, 0, 0.001, True, 0))
+    assert budget.next() == 64  # rows decode, the chunk cost is not known yet
+    budget.observe(step(0.1, 0, 0.001, True, 64))
+    assert budget.next() == 75  # 0.075 s allowed / 0.001 s per token
+    budget.observe(step(0.1, 0, 0.0, True, 3))  # a prompt's 3-token tail took no time: not a reading
+    assert budget.next() == 75
+    budget.observe(step(0.1, 0, 0.001, True, 0, running=0))  # every row finished
+    assert budget.next() == 512
+
+
+def test_a_chunk_that_looks_free_at_most_doubles_the_budget():
+    budget = AdaptiveTokenBudget(first=64, least=8, most=2048)
+    for _ in range(2):
+        budget.observe(step(0.1, 0, 0.001, True, 0))
+    assert budget.next() == 64
+    budget.observe({"step_s": {"mixed": 0.1}, "chunk_tokens": 64, "running": 8})  # noise: no time beyond decode
+    assert budget.next() == 128
+    budget.observe(step(0.1, 0, 0.001, True, 128))  # the true cost again
+    assert budget.next() == 147  # 0.075 s / the average of the two readings (0.0005 s per token)
+
+
+def test_chunks_in_forwards_of_their_own_keep_a_fixed_budget():
+    """A chunk's own forward reads every weight (about a decode step): no chunk fits the allowance, so
+    the budget does not shrink to nothing and starve the waiting prompts."""
+    budget = AdaptiveTokenBudget(first=16, least=8, own_forward_tokens=128)
+    budget.observe({"step_s": {"prefill": 1.0, "decode": 0.2}, "chunk_tokens": 512, "running": 8})
+    assert budget.next() == 16  # prompts prefilled while nothing decoded, then placed: not a reading
+    budget.observe(step(0.12, 0, 0, False, 0))
+    assert budget.next() == 16  # not known yet
+    budget.observe(step(0.12, 0.1, 0.0013, False, 16))
+    for _ in range(5):
+        tokens = budget.next()
+        assert tokens == 128
+        budget.observe(step(0.12, 0.1, 0.0013, False, tokens))
+
+
+def test_refuses_bounds_out_of_order():
+    with pytest.raises(ValueError, match="least <= first <= most"):
+        AdaptiveTokenBudget(first=4, least=8)
+    with pytest.raises(ValueError, match="own_forward_tokens <= most"):
+        AdaptiveTokenBudget(most=64)
