@@ -77,6 +77,8 @@ def test_concurrent_greedy_completions_match_generate_alone(server, engine, toke
         assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == n
         assert answer.choices[0].finish_reason == reason
     assert server.metric("mqa_requests_running") == 0
+    # the default budget is measured (auto): prompts arriving while rows decode were chunked by it
+    assert 8 <= server.metric("mqa_step_token_budget") <= 2048
 
 
 def test_stream_over_raw_http_is_sse_and_equals_the_plain_answer(server, tokenizer, ckpt):
