@@ -251,6 +251,7 @@ def supported(name: str, caps: dict | None = None) -> bool:
 _DECISION: Probe | None = None  # plain globals: torch.compile reads them without tracing the probe
 _PROBE: Probe | None = None
 _TIMING = False  # a timing runs now: the linears it runs are named, and nothing asked inside times again
+_MEASURED = False  # PLUGINS_KERNELS_TABLE says measured (read once, with the decision: probe() runs per linear)
 
 
 def decision() -> Probe:
@@ -266,11 +267,14 @@ def probe(kind: str | None = None) -> Probe:
     """The ladder decision with the implementation per row bucket of `kind`'s linears ("bf16",
     "int8", "int4"; None: every kind): measured on first use per machine and kind (then read from the
     cache file), or the static ladder. A bf16 server never times the int8 or int4 candidates."""
-    global _PROBE, _TIMING
+    global _PROBE, _TIMING, _MEASURED
     if _PROBE is None:
-        _PROBE = decision()
-    kinds = [k for k in ((kind,) if kind else KINDS) if k not in (_PROBE.choices or {})]
-    if kinds and not _TIMING and table_mode() == "measured":
+        _PROBE, _MEASURED = decision(), table_mode() == "measured"
+    measured = _PROBE.choices or {}
+    if not _MEASURED or _TIMING or kind in measured:
+        return _PROBE
+    kinds = [k for k in ((kind,) if kind else KINDS) if k not in measured]
+    if kinds:
         from plugins.kernels.measure import measured_choices
 
         found, _TIMING = _PROBE, True
@@ -323,9 +327,9 @@ def _decide(measuring: bool = False) -> Probe:
 
 def reset() -> None:
     """Forget the decision (tests that change PLUGINS_KERNELS)."""
-    global _DECISION, _PROBE, _TIMING
+    global _DECISION, _PROBE, _TIMING, _MEASURED
     _DECISION = _PROBE = None
-    _TIMING = False
+    _TIMING = _MEASURED = False
 
 
 _ROWS_ALONE = False  # plain global, as _PROBE

@@ -227,11 +227,10 @@ class Scheduler:
                     self._running[req.params.id] = req
                 self.metrics.waiting.set(len(self._waiting))
             try:
+                result = self.batch.step([r.params for r in admit], release,
+                                         self.budget.next() if self.budget else None)
                 if self.budget:
-                    result = self.batch.step([r.params for r in admit], release, self.budget.next())
                     self.budget.observe(result)
-                else:
-                    result = self.batch.step([r.params for r in admit], release)
             except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones
                 self._fail(engine_error(exc), traceback.format_exc())
                 return

@@ -70,9 +70,6 @@ class AdaptiveTokenBudget:
             extra = max(phases["mixed"] - self.decode_s, 0.01 * self.decode_s)
             self.token_s = _average(self.token_s, extra / chunk, 0.5)
 
-    def state(self) -> dict:
-        return {"tokens": self.tokens, "decode_s": self.decode_s, "token_s": self.token_s}
-
 
 def _average(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
