@@ -28,10 +28,11 @@ def requests(tokenizer, eos=None):
 
 
 def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=None, prefix_cache_bytes=0,
-        steps=None, chunk=None):
+        steps=None, chunk=None, check=None):
     """Drive open_batch / step as the server does: FIFO admission while slots are free. `steps`: a list
     that gets (rows decoding before the step, prompt tokens computed in it, its phases, speculation
-    counts) per step. `chunk(step)`: that step's prompt tokens (as the server's adaptive budget hands them)."""
+    counts) per step. `chunk(step)`: that step's prompt tokens (as the server's adaptive budget hands them).
+    `check(batch)` runs after every step."""
     batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens=budget)
     state = batch.state()
     waiting, running, out, finished = list(schedule), set(), {}, {}
@@ -51,6 +52,8 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
             out.setdefault(rid, []).extend(tokens)
         finished.update(result["finished"])
         running.difference_update(result["finished"])
+        if check:
+            check(batch)
         step += 1
     return state, out, finished
 
@@ -142,6 +145,51 @@ def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_fact
     assert max(rows for rows, *_ in steps) == SLOTS
 
 
+def draft_follows_the_pool(batch) -> None:
+    """Every row's token columns hold its prompt and output, and the draft's K and V in the columns it
+    has computed equal the draft's own prefill of the row's tokens up there (rows placed since the
+    draft last ran excepted: it computes their prompt when it next proposes)."""
+    pool, draft = batch.pool, batch.decoder.draft
+    for r, row in enumerate(batch.rows):
+        cols = pool.mask[r, :pool.t].nonzero().squeeze(-1)
+        assert pool.ids[r, cols].tolist() == (row.request.prompt + row.output)[:-1]
+        cols = cols[cols < pool.drafted]
+        if not len(cols) or pool.undrafted[r]:
+            continue
+        _, alone = draft.prefill_alone(pool.ids[r, cols][None])
+        for pooled, expected in zip(draft.pool_tensors(), alone):
+            torch.testing.assert_close(pooled[r].index_select(1, cols), expected[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["int8", "other weights"])
+def test_draft_model_speculation_in_the_batch_matches_generate_alone(tiny_dir, ckpt_factory, tokenizer, draft,
+                                                                      monkeypatch):
+    """A draft model proposes for every greedy row, its K and V in the pool beside the target's: it
+    computes each new row's prompt (chunked at a budget of 12, a prefix-cache hit: the target's alone),
+    catches up on the columns of plain steps, and moves with every compaction and pack (checked after
+    every step). Every request equals plain
+    `generate` alone, and the target accepted proposals."""
+    monkeypatch.setenv("PLUGINS_SPECULATION", "always")
+    other = "tiny" if "mha" in str(tiny_dir) else "tiny-mha"  # an MHA draft for MQA, and the other way
+    path = "int8" if draft == "int8" else str(ckpt_factory(other, seed=9))
+    plain = load_backend("deepspeed", tiny_dir, dtype="float32")
+    spec = load_backend("deepspeed", tiny_dir, dtype="float32", speculative={"draft": path, "k": 3})
+    schedule = requests(tokenizer)
+    head = schedule[6][1].prompt
+    schedule.append((13, BatchRequest(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_new_tokens=7)))
+    steps = []
+    state, out, _ = run(spec, schedule, budget=12, prefix_cache_bytes=1 << 20, steps=steps,
+                        check=draft_follows_the_pool)
+    for _, request in schedule:
+        assert out[request.id] == alone(plain, request), f"request {request.id} differs from generate alone"
+    stats = steps[-1][3]
+    assert stats["steps"] > 0 and stats["accepted"] > 0, stats
+    # the pool holds both models' K and V
+    per_row = sum(c.n_layer * 2 * (1 if c.multi_query else c.n_head) * (c.n_embd // c.n_head) * 4
+                  for c in (spec.config, spec.draft.config))
+    assert state["kv_pool_bytes"] == per_row * SLOTS * CAPACITY
+
+
 def test_speculation_stays_on_only_where_it_measured_faster():
     from plugins.serving.speculation import PROBE_EVERY, RowSpeculation
 
@@ -155,6 +203,7 @@ def test_speculation_stays_on_only_where_it_measured_faster():
         spec.observe(4, False, tokens=4, seconds=0.5)
     assert spec.wanted(4)                      # measured again after PROBE_EVERY plain steps
     spec.observe(4, True, tokens=5, seconds=1.0)
+    assert spec.rates[4].verify == 5.0         # a kind's second step replaces its first (shapes run once)
     for _ in range(PROBE_EVERY):
         spec.observe(4, False, tokens=4, seconds=0.5)
     assert not spec.wanted(4)                  # it lost again: the next try waits twice as long
@@ -195,9 +244,11 @@ def test_requests_the_pool_cannot_hold_are_refused_before_any_work(ckpt_factory,
         open_batch(backend, 2, backend.config.n_positions + 1)
 
 
-def test_speculative_or_batch_sharded_backends_refuse_to_serve(ckpt_factory):
-    with pytest.raises(ConfigError, match="speculative"):
-        open_batch(load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": "int8"}), 2, 32)
+def test_a_draft_shorter_than_the_pool_is_refused(ckpt_factory):
+    short = ckpt_factory("tiny", n_positions=32)
+    spec = load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": str(short)})
+    with pytest.raises(ConfigError, match="exceeds the draft model's n_positions 32"):
+        open_batch(spec, 2, 48)
 
 
 @pytest.mark.parametrize("name", ["deepspeed", "megatron"])

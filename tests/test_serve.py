@@ -308,6 +308,10 @@ def test_tp2_server_with_chunked_prefill_matches_generate_alone_and_leaves_no_wo
     (["--kv-budget", "1KB"], "holds no slot"),
     (["--backend", "hf", "--quantize", "int8"], "unknown option(s) quantize for backend 'hf'"),
     (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens must be >= 0"),
+    (["--speculative", "/nonexistent/draft"], "/nonexistent/draft"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative"),
+    (["--speculative", "int8", "--num-speculative-tokens", "0"], "speculative k must be a positive integer"),
+    (["--speculative", "int8", "--tp", "2"], "options of tp_size 1"),
 ])
 def test_a_server_that_cannot_serve_is_refused_before_loading(argv, message, ckpt, capsys):
     """mqa-serve's own checks: exit 2 with one line naming the problem, no engine loaded."""

@@ -1,5 +1,5 @@
 """The server runs the engines' own options, live on 127.0.0.1: chunked prefill under a token budget,
-weight-only int8 / int4 layers, prompt-lookup speculation. Greedy answers under concurrency equal
+weight-only int8 / int4 layers, speculation by prompt lookup and by draft models. Greedy answers under concurrency equal
 `generate` alone on an engine loaded with the same options (fp32), and /metrics shows the prompt
 chunks per step and the accepted proposals."""
 
@@ -64,13 +64,21 @@ ENGINES = [("megatron", [], {}),
            ("deepspeed", ["--quantize", "int8"], {"quantize": "int8"}),
            ("deepspeed", ["--quantize", "int4", "--speculative", "prompt-lookup", "--num-speculative-tokens", "4"],
             {"quantize": "int4", "speculative": LOOKUP}),
-           ("deepspeed", ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4"], {"speculative": LOOKUP})]
+           ("deepspeed", ["--speculative", "prompt-lookup", "--num-speculative-tokens", "4"], {"speculative": LOOKUP}),
+           ("deepspeed", ["--speculative", "int8"], {"speculative": {"draft": "int8"}}),  # k: the draft default
+           ("deepspeed", ["--quantize", "int8", "--speculative", "DRAFT", "--num-speculative-tokens", "3"],
+            {"quantize": "int8", "speculative": {"draft": "DRAFT", "k": 3}})]
 
 
-@pytest.mark.parametrize("backend,flags,options", ENGINES, ids=["megatron", "int8", "int4-lookup", "lookup"])
-def test_chunked_prefill_and_engine_options_match_generate_alone(ckpt, tokenizer, backend, flags, options,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("backend,flags,options", ENGINES,
+                         ids=["megatron", "int8", "int4-lookup", "lookup", "int8-draft", "int8-with-draft-checkpoint"])
+def test_chunked_prefill_and_engine_options_match_generate_alone(ckpt, ckpt_factory, tokenizer, backend, flags,
+                                                                 options, monkeypatch):
     monkeypatch.setenv("PLUGINS_SPECULATION", "always")  # verify at every step, whatever this machine measures
+    if "DRAFT" in flags:  # a draft model of other weights and shape (MHA) with the same vocabulary
+        draft = str(ckpt_factory("tiny-mha", seed=9))
+        flags = [draft if f == "DRAFT" else f for f in flags]
+        options = {**options, "speculative": {**options["speculative"], "draft": draft}}
     server = Server(ckpt, "--backend", backend, "--max-num-batched-tokens", str(BUDGET), *flags)
     try:
         ids = prompts(tokenizer)

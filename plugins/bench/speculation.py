@@ -1,11 +1,12 @@
-"""Benchmark served prompt-lookup speculation: edit-shaped requests at several concurrencies, and the
-verify forward's cost against a plain decode step by batch size. Run as `python -m plugins.bench.speculation`.
+"""Benchmark served speculation (prompt lookup, an int8 draft model): edit-shaped requests at several
+concurrencies, and the verify forward's cost against a plain decode step by batch size. Run as
+`python -m plugins.bench.speculation`.
 
-  python -m plugins.bench.speculation /tmp/mqa/santacoder-1b          # deepspeed bf16; int4; with and without lookup
+  python -m plugins.bench.speculation /tmp/mqa/santacoder-1b          # deepspeed bf16; int4; lookup; int8 draft
   python -m plugins.bench.speculation /tmp/tiny --dtype float32 --streams 1 2 --prompt-len 64 --max-tokens 16 \\
       --rows 1 2 --out /tmp/spec-tiny
 
-Served: one server per engine option set (bf16, bf16 + lookup, int4, int4 + lookup); for each
+Served: one server per engine option set (bf16, bf16 + lookup, int4, int4 + lookup, bf16 + int8 draft); for each
 --streams value, that many concurrent greedy requests whose prompt is a code window followed by its
 own first half again (an edit: the model is asked to continue text it has seen), --max-tokens each:
 output tokens/s and the acceptance the server reports. Offline: the engine's pool decode step of n rows
@@ -33,8 +34,9 @@ import torch
 from plugins.bench.load import ServerProcess, http_client, open_connections, results_dir, served_model
 from plugins.serving.args import add_engine_args
 
-OPTION_SETS = {"plain": [], "lookup": ["--speculative", "prompt-lookup"], "int4": ["--quantize", "int4"],
-               "int4+lookup": ["--quantize", "int4", "--speculative", "prompt-lookup"]}
+OPTION_SETS = {"plain": {}, "lookup": {"speculative": "prompt-lookup"}, "int4": {"quantize": "int4"},
+               "int4+lookup": {"quantize": "int4", "speculative": "prompt-lookup"},
+               "int8-draft": {"speculative": "int8"}}
 
 
 def parse_args(argv=None):
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=256, help="the code window (the prompt adds half of it again)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=10, help="proposed tokens per row and step")
+    ap.add_argument("--k", type=int, help="proposed tokens per row and step (default: the server's, 10 for prompt "
+                                          "lookup and 4 for a draft model; the offline verify cost: 10)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="offline: batch sizes")
     ap.add_argument("--always", action="store_true", help="speculate at every step (no measured choice)")
     ap.add_argument("--out", type=Path)
@@ -92,12 +95,11 @@ def served(args, tok, out: Path) -> dict:
     results = {}
     longest = args.prompt_len + args.prompt_len // 2 + args.max_tokens
     for name in args.sets:
-        flags = OPTION_SETS[name]
+        options = OPTION_SETS[name]
+        flags = [f"--{key} {value}" for key, value in options.items()]
         ns = argparse.Namespace(**{**vars(args), "requests": max(args.streams), "streams": max(args.streams),
-                                   "max_batch": max(args.streams),
-                                   "quantize": "int4" if "int4" in name else None,
-                                   "speculative": "prompt-lookup" if "lookup" in name else None,
-                                   "num_speculative_tokens": args.k})
+                                   "max_batch": max(args.streams), "quantize": options.get("quantize"),
+                                   "speculative": options.get("speculative"), "num_speculative_tokens": args.k})
         server = ServerProcess(ns, longest, out / f"server-{name}.log", prefix_cache=0)
         try:
             server.wait_ready()
@@ -123,13 +125,13 @@ def verify_cost(args) -> dict:
     from plugins.engine.registry import load_backend
 
     backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype)
-    slots, t = max(args.rows), args.prompt_len
-    pool = backend.batch_decoder(slots, t + args.k + 2)
+    slots, t, k = max(args.rows), args.prompt_len, args.k or 10
+    pool = backend.batch_decoder(slots, t + k + 2)
     out = {}
     for n in args.rows:
-        mask = torch.ones((n, t + args.k + 1), dtype=torch.long)
-        tokens = torch.zeros((n, args.k + 1), dtype=torch.long)
-        pos = torch.arange(t, t + args.k + 1).repeat(n, 1)
+        mask = torch.ones((n, t + k + 1), dtype=torch.long)
+        tokens = torch.zeros((n, k + 1), dtype=torch.long)
+        pos = torch.arange(t, t + k + 1).repeat(n, 1)
         times = {"decode": [], "verify": []}
         for _ in range(4):
             start = time.perf_counter()
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     results = served(args, tok, out)
     (out / "speculation.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                       "verify_cost": cost, "served": results}, indent=2))
-    print(f"verify of {args.k + 1} tokens per row against one decode step ({args.dtype}):")
+    print(f"verify of {(args.k or 10) + 1} tokens per row against one decode step ({args.dtype}):")
     print("| rows | decode ms | verify ms | verify / decode |\n|---|---|---|---|")
     for n, c in cost.items():
         print(f"| {n} | {c['decode_s'] * 1000:.0f} | {c['verify_s'] * 1000:.0f} | {c['ratio']:.2f} |")

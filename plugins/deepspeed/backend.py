@@ -156,9 +156,6 @@ class DeepSpeedBackend(HFModelBackend):
         return InjectedDecoder(self.model, cache, self.compile)
 
     def batch_decoder(self, slots: int, capacity: int) -> PoolDecoder:
-        if self.speculative is not None and self.speculative["draft"] != "prompt-lookup":
-            raise ConfigError("a continuous batch speculates by prompt lookup only (speculative={'draft': "
-                              "'prompt-lookup'}); draft models speculate in `generate`")
         if self.kv_layout == "batch":
             raise ConfigError("continuous batching needs kv_layout='head' (rows join and leave the pool on "
                               "every rank)")

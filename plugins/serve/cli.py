@@ -36,11 +36,12 @@ from plugins.serving.args import add_engine_args, engine_options, max_batched_to
 ENGINE_FAILED_LINGER_S = 2.0
 
 
-def pool_slots(config, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
-    """(slots that fit `budget` bytes per rank, bytes per slot)."""
+def pool_slots(configs: list, dtype, tp_size: int, capacity: int, budget: int) -> tuple[int, int]:
+    """(slots that fit `budget` bytes per rank, bytes per slot) of a pool holding the K and V of the
+    models in `configs` (the served one, and a speculative draft)."""
     from plugins.core.tensors import kv_bytes_per_token
 
-    per_token = kv_bytes_per_token(config, dtype, tp_size)
+    per_token = sum(kv_bytes_per_token(config, dtype, tp_size) for config in configs)
     per_slot = per_token * capacity
     return budget // per_slot, per_slot
 
@@ -108,21 +109,26 @@ def check_args(ap, args) -> dict:
         dtype = resolve_dtype(args.dtype)
         check_tp(config, args.tp)
         backend_class(args.backend).check_options(config, args.tp, **engine_options(args), **launch)
+        models = [config] + ([] if args.speculative in (None, "prompt-lookup") else  # a draft's K and V too
+                             [config if args.speculative in ("int8", "int4") else read_hf_config(args.speculative)])
     except (ConfigError, OSError, ValueError) as e:
         ap.error(str(e))
     if args.node_rank > 0:  # node 0 holds the pool, the scheduler and the tokenizer
         return {"launch": launch}
     capacity = args.max_model_len or config.n_positions
-    if not 2 <= capacity <= config.n_positions:
-        ap.error(f"--max-model-len must be in 2..{config.n_positions} (the model's n_positions), got {capacity}")
+    if not 2 <= capacity <= min(m.n_positions for m in models):
+        ap.error(f"--max-model-len must be in 2..{min(m.n_positions for m in models)} (the n_positions of the model"
+                 f"{' and its draft' if len(models) > 1 else ''}), got {capacity}")
     if args.max_batch < 1:
         ap.error(f"--max-batch must be >= 1, got {args.max_batch}")
-    slots, per_slot = pool_slots(config, dtype, args.tp, capacity, args.kv_budget)
+    slots, per_slot = pool_slots(models, dtype, args.tp, capacity, args.kv_budget)
     if slots < 1:
         ap.error(f"--kv-budget {args.kv_budget} bytes holds no slot: one sequence of {capacity} tokens needs "
                  f"{per_slot} bytes per rank (raise --kv-budget or lower --max-model-len)")
     slots = min(slots, args.max_batch)
-    if args.num_speculative_tokens < 1:
+    if args.num_speculative_tokens is not None and not args.speculative:
+        ap.error("--num-speculative-tokens needs --speculative")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         ap.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.max_num_batched_tokens != "auto" and args.max_num_batched_tokens < 0:
         ap.error(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")

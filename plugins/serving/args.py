@@ -26,12 +26,14 @@ def add_engine_args(ap, kv_budget_help: str) -> None:
     ap.add_argument("--kv-budget", type=byte_size, default=byte_size("1GB"), help=kv_budget_help)
     ap.add_argument("--quantize", choices=("int8", "int4"),
                     help="weight-only int8 / int4 layer linears (deepspeed backend, TP 1; int4 on CPU)")
-    ap.add_argument("--speculative", choices=("prompt-lookup",),
-                    help="greedy rows propose the continuation of their last n-gram's earlier match in prompt and "
-                         "output, and keep what the model confirms (deepspeed backend, TP 1; draft models "
-                         "speculate in offline `generate` only)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=10,
-                    help="most tokens a row proposes per step (default 10, as transformers' prompt lookup)")
+    ap.add_argument("--speculative", metavar="prompt-lookup|int8|int4|DRAFT_DIR",
+                    help="greedy rows propose tokens and keep what the model confirms (deepspeed backend, TP 1): "
+                         "prompt-lookup (the continuation of their last n-gram's earlier match in prompt and "
+                         "output), int8 / int4 (a draft model: the served weights quantized), or an HF checkpoint "
+                         "directory of a draft model with the same vocabulary")
+    ap.add_argument("--num-speculative-tokens", type=int,
+                    help="most tokens a row proposes per step (default 10 for prompt-lookup, as transformers' "
+                         "prompt lookup; 4 for a draft model)")
     ap.add_argument("--max-num-batched-tokens", type=token_budget, default=DEFAULT_MAX_BATCHED_TOKENS,
                     help="tokens per engine step, decode rows included: longer prompts are prefilled in chunks "
                          "over several steps so running streams keep decoding (default auto: prompt tokens per step "
@@ -43,7 +45,8 @@ def engine_options(args) -> dict:
     """The backend options the flags ask for (for load_backend)."""
     options = {"quantize": args.quantize} if args.quantize else {}
     if args.speculative:
-        options["speculative"] = {"draft": args.speculative, "k": args.num_speculative_tokens}
+        k = {} if args.num_speculative_tokens is None else {"k": args.num_speculative_tokens}
+        options["speculative"] = {"draft": args.speculative, **k}
     return options
 
 
@@ -55,5 +58,7 @@ def serve_flags(args) -> list[str]:
     """The same engine options as `mqa-serve` flags (for a server started as a subprocess)."""
     flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.speculative:
-        flags += ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        flags += ["--speculative", args.speculative]
+    if args.num_speculative_tokens is not None:
+        flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     return flags + (["--quantize", args.quantize] if args.quantize else [])

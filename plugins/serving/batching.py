@@ -15,8 +15,10 @@ Active requests hold rows [0, n) of the pool, on one shared time axis (plugins.s
   Elsewhere each chunk is its own forward before the decode step.
 - Sampling: each row's own rules (penalties, bias, min tokens: LogitRules) and sampler; a batch of
   plain greedy rows is one argmax.
-- Speculative decoding (an engine loaded with `speculative={"draft": "prompt-lookup"}`): greedy rows
-  propose by prompt lookup and a step keeps 1 to k + 1 tokens per row (plugins.serving.speculation).
+- Speculative decoding (an engine loaded with `speculative={"draft": ...}`): greedy rows propose by
+  prompt lookup or a draft model and a step keeps 1 to k + 1 tokens per row
+  (plugins.serving.speculation; a draft model's K and V live in the pool beside the target's:
+  plugins.serving.draft).
 - Failure of one request: an error raised while admitting or sampling for one request (not by the
   engine's forward over the batch) ends that request alone, reported in the step's "failed"; the
   other rows go on.
@@ -37,6 +39,7 @@ from plugins.core.config import ConfigError
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import BatchDecoder
 from plugins.engine.sampling import Sampler, top_logprobs
+from plugins.serving.draft import DraftedDecoder
 from plugins.serving.kv_pool import RowPool
 from plugins.serving.prefix_cache import PrefixCache
 from plugins.serving.request import BatchRequest, Row, check_request, failure_message
@@ -224,14 +227,14 @@ class ContinuousBatch:
     def _place(self, request: BatchRequest, fill: _Prefill, out: dict, finished: dict, logprobs: dict,
                prompt_logprobs: dict) -> None:
         """Sample the first token from the complete prompt's logits, then copy its KV into a new row."""
-        p, r = len(request.prompt), request
+        r = request
         row = Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
         if r.prompt_logprobs is not None:
             prompt_logprobs[r.id] = self._prompt_logprobs(r)
         token = row.choose(fill.logits, logprobs)
         if self._emit(row, token, out, finished):
             return
-        self.pool.add(fill.kv, token, p)
+        self.pool.add(fill.kv, token, request.prompt)
         self.rows.append(row)
 
     def _prompt_logprobs(self, request: BatchRequest) -> list:
@@ -246,21 +249,21 @@ class ContinuousBatch:
         """One decode step of every row; with `chunks`, in one forward with those prompt chunks
         (`BatchDecoder.mixed`), whose (logits, KV) it returns."""
         pool, n, start = self.pool, self.n, time.perf_counter()
-        proposals = None if chunks or not self.speculation else self.speculation.proposals(self.rows)
-        if proposals is not None:
-            width = max(map(len, proposals))
-            fits = pool.room(width + 1) - 1
-            if fits < 1:
-                proposals = None
-            elif fits < width:
-                proposals = [p[:fits] for p in proposals]
+        proposals = None
+        if self.speculation and not chunks and self.speculation.wanted(n):
+            fits = pool.room(self.speculation.k + 1) - 1
+            if fits >= 1:
+                proposals = self.speculation.proposals(self.rows, pool, fits)
         if proposals is not None:
             made = self._speculate(proposals, out, finished, failed, logprobs)
-            self.speculation.observe(n, True, made, time.perf_counter() - start)
+            # the draft's catching up (new rows' prompts, plain steps' columns) is the cost of probing
+            self.speculation.observe(n, True, made, time.perf_counter() - start - self.speculation.catch_up_s)
+            self.speculation.catch_up_s = 0.0
             return None
         pool.room(1)
         t = pool.t
         pool.mask[:n, t] = 1
+        pool.ids[:n, t] = pool.last[:n, 0]
         if chunks:
             logits, chunked = self.decoder.mixed(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n], chunks)
         else:
@@ -286,6 +289,7 @@ class ContinuousBatch:
         for r, proposal in enumerate(proposals):
             tokens[r, 1:1 + len(proposal)] = torch.tensor(proposal, dtype=torch.long)
             pool.mask[r, t:t + 1 + len(proposal)] = 1
+        pool.ids[:n, t:t + width] = tokens
         positions = pool.pos[:n] + torch.arange(width, device=tokens.device)
         logits = self.decoder.verify(tokens, pool.mask[:n, :t + width], positions)  # [n, width, V]
         greedy = logits.float().argmax(-1).tolist()
@@ -376,8 +380,15 @@ def open_batch(backend, slots: int, capacity: int | None = None, prefix_cache_by
     if remote is not None:
         return remote(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
     decoder = backend.batch_decoder(slots, capacity)  # refuses what it cannot batch
-    spec = getattr(backend, "speculative", None)
-    speculation = RowSpeculation(spec["k"], spec["ngram"]) if spec else None
+    spec, speculation = getattr(backend, "speculative", None), None
+    if spec:
+        draft = getattr(backend, "draft", None)
+        if draft is not None:
+            if capacity > draft.config.n_positions:
+                raise ConfigError(f"capacity {capacity} exceeds the draft model's n_positions {draft.config.n_positions}")
+            draft = draft.batch_decoder(slots, capacity)
+            decoder = DraftedDecoder(decoder, draft)
+        speculation = RowSpeculation(spec["k"], spec.get("ngram", 2), draft=draft)
     return ContinuousBatch(decoder, slots, capacity, backend.device,
                            prefix_cache_bytes, score=backend.logits, max_batched_tokens=max_batched_tokens,
                            speculation=speculation)

@@ -13,6 +13,10 @@ mask, no per-row lengths, no gathers.
   by their common padding; after speculative steps, whose rejected columns stay masked (holes), each
   row's tokens are packed to the right instead (a gather per row). Every request fits (prompt +
   max_new_tokens <= capacity), so a decode step always finds its column.
+- A speculative draft model's K and V are pool tensors too (plugins.serving.draft), so every move
+  above moves them alike. The draft runs only when it proposes: `drafted` says up to which column
+  every row holds its K and V (but rows `undrafted`, placed since, whose prompt it has not seen), and
+  `ids` keeps each column's token for it to catch up from.
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ class RowPool:
         self.n = 0      # active rows
         self.t = 0      # columns in use
         self.holes = False  # masked columns inside rows (rejected speculative tokens)
+        self.ids = torch.zeros((slots, capacity), dtype=torch.long, device=device)  # each column's token
+        self.drafted = 0    # columns [0, drafted) hold the draft model's K and V in every active row ...
+        self.undrafted = torch.zeros(slots, dtype=torch.bool, device=device)  # ... but these
 
-    def add(self, kv: list[torch.Tensor], token: int, length: int) -> int:
-        """A new row: `length` prompt columns of K and V (`pool_tensors` order) and its next token."""
+    def add(self, kv: list[torch.Tensor], token: int, prompt: list[int]) -> int:
+        """A new row: the K and V of its prompt's columns (`pool_tensors` order; the target's only: a
+        draft's come when it runs) and its next token."""
+        length = len(prompt)
         if length > self.t:
             self._shift(length - self.t)  # (n == 0: nothing moves, t becomes length)
         i = self.n
@@ -42,8 +51,10 @@ class RowPool:
             self._cols(self._row(pool, i), self.t - length, self.t).copy_(part)
         self.mask[i].zero_()
         self.mask[i, self.t - length:self.t] = 1
+        self.ids[i, self.t - length:self.t] = torch.tensor(prompt, dtype=torch.long)
         self.last[i, 0] = token
         self.pos[i, 0] = length
+        self.undrafted[i] = True
         self.n += 1
         return i
 
@@ -53,11 +64,11 @@ class RowPool:
         if r != last:
             for pool in self.decoder.pool_tensors():
                 self._cols(self._row(pool, r), 0, self.t).copy_(self._cols(self._row(pool, last), 0, self.t))
-            for buf in (self.mask, self.last, self.pos):
+            for buf in (self.mask, self.ids, self.last, self.pos, self.undrafted):
                 buf[r] = buf[last]
         self.n -= 1
         if not self.n:
-            self.t, self.holes = 0, False
+            self.t, self.holes, self.drafted = 0, False, 0
 
     def room(self, columns: int) -> int:
         """Make room for `columns` more columns where it can; returns how many fit now."""
@@ -87,13 +98,14 @@ class RowPool:
             return
         if n:
             lo = max(0, -by)  # columns [lo, t) move to [lo + by, t + by)
-            for pool in self.decoder.pool_tensors() + [self.mask]:
+            for pool in self.decoder.pool_tensors() + [self.mask, self.ids]:
                 rows = pool.narrow(self._batch_dim(pool), 0, n)
                 src = self._cols(rows, lo, t).clone()
                 self._cols(rows, lo + by, t + by).copy_(src)
             if by > 0:
                 self.mask[:n, :by] = 0
         self.t = t + by
+        self.drafted = max(0, self.drafted + by)
 
     def _pack(self) -> None:
         """Every row's unmasked columns, in order, moved to the right end of [0, t'), t' the most any
@@ -101,16 +113,20 @@ class RowPool:
         n, t = self.n, self.t
         keep = [self.mask[r, :t].nonzero().squeeze(-1) for r in range(n)]
         end = max(len(k) for k in keep)
+        drafted = end
         for r, cols in enumerate(keep):
             for pool in self.decoder.pool_tensors():
                 row = self._row(pool, r)
                 self._cols(row, end - len(cols), end).copy_(row.index_select(self.decoder.time_dim, cols))
+            self.ids[r, end - len(cols):end] = self.ids[r, cols]
             self.mask[r, :t] = 0
             self.mask[r, end - len(cols):end] = 1
-        self.t, self.holes = end, False
+            # the row's columns the draft had computed stay in front of those it had not
+            drafted = min(drafted, end - len(cols) + int((cols < self.drafted).sum()))
+        self.t, self.holes, self.drafted = end, False, drafted
 
     def _batch_dim(self, tensor) -> int:
-        return 0 if tensor is self.mask else self.decoder.batch_dim
+        return 0 if tensor is self.mask or tensor is self.ids else self.decoder.batch_dim
 
     def _row(self, tensor, i: int) -> torch.Tensor:
         return tensor.narrow(self._batch_dim(tensor), i, 1)

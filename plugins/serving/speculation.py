@@ -1,7 +1,9 @@
-"""Speculative decoding in the continuous batch, per row: prompt lookup proposes, one forward verifies.
+"""Speculative decoding in the continuous batch, per row: prompt lookup or a draft model proposes, one
+forward verifies.
 
 Each greedy row proposes up to k tokens: the continuation of the last match of its trailing n-gram in
-its prompt and output (plugins.engine.speculative.lookup_continuation, as `generate` does offline).
+its prompt and output (plugins.engine.speculative.lookup_continuation, as `generate` does offline), or
+the draft model's greedy continuation (plugins.serving.draft: every greedy row proposes).
 The step feeds every row [its next token, its proposals], padded to the longest proposal, through
 the engine's verify forward, and keeps per row the proposals the model itself picks plus the
 model's next token: 1 to k + 1 tokens per row per step (with log-probabilities from the same logits
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plugins.engine.speculative import lookup_continuation
+from plugins.serving.draft import propose
 
 PROBE_EVERY = 16  # plain steps of one batch size before speculation is measured again ...
 MAX_PROBE_EVERY = 256  # ... doubling while it keeps losing
@@ -37,6 +40,7 @@ class _Rates:
     verify: float | None = None  # tokens/s of verify steps
     plain_steps: int = 0         # since the last verify step
     probe_every: int = PROBE_EVERY
+    readings: dict = field(default_factory=lambda: {True: 0, False: 0})  # per kind (verified or not)
 
 
 @dataclass
@@ -47,6 +51,8 @@ class RowSpeculation:
     drafted: int = 0    # proposed tokens
     accepted: int = 0   # of them, kept
     rates: dict[int, _Rates] = field(default_factory=dict)
+    draft: object = None  # the draft model's BatchDecoder (None: prompt lookup)
+    catch_up_s: float = 0.0  # seconds of this step's proposals the draft spent catching up
     always: bool = field(default_factory=lambda: os.environ.get("PLUGINS_SPECULATION", "measured") == "always")
 
     @staticmethod
@@ -66,7 +72,9 @@ class RowSpeculation:
         r = self.rates.setdefault(self._bucket(rows), _Rates())
         rate = tokens / max(seconds, 1e-9)
         old = r.verify if verified else r.plain
-        new = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        r.readings[verified] += 1
+        # a kind's first step at a batch size runs its shapes for the first time: its second replaces it
+        new = rate if r.readings[verified] <= 2 else (1 - SMOOTHING) * old + SMOOTHING * rate
         if verified:
             r.verify, r.plain_steps = new, 0
             if r.plain is not None:  # a try that loses waits twice as long for the next
@@ -74,20 +82,19 @@ class RowSpeculation:
         else:
             r.plain, r.plain_steps = new, r.plain_steps + 1
 
-    def proposals(self, rows) -> list[list[int]] | None:
-        """Each row's proposal (empty for a row that samples or has logit rules, or has no match);
-        None when this step decodes plainly (speculating does not pay at this batch size, or nothing
-        is proposed)."""
-        if not self.wanted(len(rows)):
+    def proposals(self, rows, pool, fits: int) -> list[list[int]] | None:
+        """Each row's proposal, at most `fits` tokens (empty for a row that samples or has logit rules,
+        or has no match); None when nothing is proposed."""
+        rooms = [min(self.k, fits, row.request.max_new_tokens - len(row.output) - 1) if row.greedy else 0
+                 for row in rows]  # the model's own token always comes
+        if max(rooms) < 1:
             return None
+        if self.draft is not None:
+            drafted, self.catch_up_s = propose(self.draft, pool, max(rooms))
+            return [p[:room] for p, room in zip(drafted, rooms)]
         out = []
-        for row in rows:
-            room = row.request.max_new_tokens - len(row.output) - 1  # the model's own token always comes
-            if not row.greedy or room < 1:
-                out.append([])
-                continue
-            seq = torch.tensor(row.request.prompt + row.output)
-            found = lookup_continuation(seq, min(self.k, room), self.ngram)
+        for row, room in zip(rows, rooms):
+            found = lookup_continuation(torch.tensor(row.request.prompt + row.output), room, self.ngram) if room > 0 else None
             out.append([] if found is None else found.tolist())
         return out if any(out) else None
 
