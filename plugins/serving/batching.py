@@ -256,9 +256,7 @@ class ContinuousBatch:
                 proposals = self.speculation.proposals(self.rows, pool, fits)
         if proposals is not None:
             made = self._speculate(proposals, out, finished, failed, logprobs)
-            # the draft's catching up (new rows' prompts, plain steps' columns) is the cost of probing
-            self.speculation.observe(n, True, made, time.perf_counter() - start - self.speculation.catch_up_s)
-            self.speculation.catch_up_s = 0.0
+            self.speculation.observe(n, True, made, time.perf_counter() - start)
             return None
         pool.room(1)
         t = pool.t

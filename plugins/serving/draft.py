@@ -6,9 +6,9 @@ and chunks are prefilled by the target alone, and the draft runs only when the b
 (`propose`): it first computes the prompt of each row placed since it last ran (one prefill per row,
 so a batch that never speculates never pays for the draft), then catches up on the columns of the
 plain steps since it last proposed (`RowPool.drafted`, from `RowPool.ids`), then drafts k tokens one
-by one. The batch leaves the catching up out of the verify steps' measured rate
-(plugins.serving.speculation): it is what probing costs. What the draft computes decides only how many proposals the target accepts; every kept token
-is the target's own choice.
+by one. The catching up stays out of the verify steps' measured rate (plugins.serving.speculation):
+it is what probing costs. What the draft computes decides only how many proposals the target
+accepts; every kept token is the target's own choice.
 """
 
 from __future__ import annotations

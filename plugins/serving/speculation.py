@@ -70,6 +70,8 @@ class RowSpeculation:
     def observe(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` rows (a verify step or a plain one) made `tokens` tokens in `seconds`."""
         r = self.rates.setdefault(self._bucket(rows), _Rates())
+        if verified:  # the draft's catching up in this step is the cost of probing, not of speculating
+            seconds, self.catch_up_s = seconds - self.catch_up_s, 0.0
         rate = tokens / max(seconds, 1e-9)
         old = r.verify if verified else r.plain
         r.readings[verified] += 1
