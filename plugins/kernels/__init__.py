@@ -42,31 +42,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
-import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from plugins.kernels.cpu import (  # noqa: F401 (the package's API)
+    BF16_INSTRUCTIONS, CSRC, KERNEL_ISA, build, capabilities, has_bf16_instructions, onednn_packs_bf16, supported)
 from plugins.kernels.packing import TILE_COLS, TILED, PackedWeights, pack_tiles  # noqa: F401 (the package's API)
 
-CSRC = Path(__file__).parent / "csrc"
 RUNGS = ("avx512", "onednn", "avx512f", "avx2", "torch")
 ENV = "PLUGINS_KERNELS"
 # The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles,
 # which win from there on (docs/results/2026-11-30-cpu-linears.md).
 KERNEL_ROWS = 16
-# torch.cpu.get_capabilities() names each kernel needs, and the flags it is compiled with
-KERNEL_ISA = {
-    "avx512": (("avx512_f", "avx512_bw", "avx512_vl", "avx512_bf16", "avx512_vnni"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]),
-    "avx512f": (("avx512_f", "avx512_bw", "avx512_vl"), ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
-    "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
-}
 # Implementations whose every output row is computed as that row alone would be (see rows_alone)
 ROW_INVARIANT = (*TILED, "avx2")
 
@@ -184,68 +175,11 @@ class Probe:
 DEQUANT_ROWS = 256
 
 
-def capabilities() -> dict:
-    return torch.cpu.get_capabilities()  # torch's cpuinfo-based feature table
-
-
-# Without one of these oneDNN emulates bf16 with fp32 FMAs and loses to the avx2 and avx512f rungs'
-# paths at every row count past one (measured on an AVX512F Xeon: docs/results/2026-11-30-cpu-linears.md).
-BF16_INSTRUCTIONS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
-
-
-def has_bf16_instructions(caps: dict | None = None) -> bool:
-    caps = capabilities() if caps is None else caps
-    return any(caps.get(flag, False) for flag in BF16_INSTRUCTIONS)
-
-
-def onednn_packs_bf16() -> bool:
-    """Whether oneDNN packs bf16 here (fast only with has_bf16_instructions()). It raises on CPUs
-    without AVX512BW/VL/DQ or AVX-NE-CONVERT (e.g. AVX2-only EPYCs), and runs a slow path when
-    ONEDNN_MAX_CPU_ISA caps it below AVX512: torch's own check, the cap, then a real 2x2 pack."""
-    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    if not cap.startswith(("ALL", "AVX512", "AVX10", "AMX", "AVX2_VNNI_2")):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=torch.bfloat16), 1)
-        return True
-    except RuntimeError:
-        return False
-
-
-@functools.cache
-def build(name: str):
-    """Compile (once per machine, cached in $TORCH_EXTENSIONS_DIR) and load kernel `name`; None on failure."""
-    from torch.utils.cpp_extension import load
-
-    from plugins.core.console import announce, extension_built
-
-    if not extension_built(f"decode_{name}"):
-        announce(f"building the {name} decode kernel with g++ (once per machine, ~25 s)...")
-    flags = KERNEL_ISA[name][1]
-    # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
-    header = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
-    try:
-        return load(f"decode_{name}", [str(CSRC / f"decode_{name}.cpp")], verbose=False,
-                    extra_cflags=["-O3", "-fopenmp", *flags, f"-DCOMMON_H_SHA={header}"],
-                    extra_include_paths=[str(CSRC)])
-    except Exception as exc:  # no compiler, old assembler, ...
-        warnings.warn(f"{name} decode kernel unavailable ({type(exc).__name__}: {exc}); using a lower rung")
-        return None
-
-
 def forced_rung() -> str | None:
     value = os.environ.get(ENV, "").strip().lower() or None
     if value is not None and value not in RUNGS:
         raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(RUNGS)}")
     return value
-
-
-def supported(name: str, caps: dict | None = None) -> bool:
-    """Whether this CPU has the instructions kernel `name` is compiled for."""
-    caps = capabilities() if caps is None else caps
-    return all(caps.get(flag, False) for flag in KERNEL_ISA[name][0])
 
 
 _DECISION: Probe | None = None  # plain globals: torch.compile reads them without tracing the probe
