@@ -132,7 +132,7 @@ def make_args(config: GPTBigCodeConfig, tp_size: int, pp_size: int, padded_vocab
               dtype: torch.dtype) -> Namespace:
     """What a Megatron-LM run that trained this model would have stored: every field NVIDIA's
     `check_checkpoint_args` / `load_args_from_checkpoint` / tools/checkpoint and HF's megatron_gpt2
-    converter read (tests/test_converters.py lists them)."""
+    converter read (tests/unit/test_converters.py lists them)."""
     if config.activation_function not in TANH_GELUS + ("gelu",):
         raise ConversionError(f"activation {config.activation_function!r} has no Megatron equivalent")
     h = config.n_embd

@@ -1,7 +1,7 @@
 """Every patch of DeepSpeed 0.19.8 this project needs, in one place.
 
 Each patch names the upstream function it works around and is checked by a test in
-tests/test_injection.py that fails if upstream changes. `apply()` is idempotent; the originals
+tests/unit/test_injection.py that fails if upstream changes. `apply()` is idempotent; the originals
 are kept in `UPSTREAM` (tests call them to show the upstream behaviour is still there).
 """
 

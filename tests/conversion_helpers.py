@@ -15,3 +15,8 @@ def assert_nothing_left(dst):
     dst = Path(dst)
     assert not dst.exists()
     assert not list(dst.parent.glob(f".{dst.name}.tmp-*")), "temp dir left behind"
+
+
+def hub_of(model):
+    """The HF state dict as a hub checkpoint holds it (no lm_head.weight when tied)."""
+    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}

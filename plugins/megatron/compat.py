@@ -1,7 +1,7 @@
 """Every patch megatron-core 0.16.1 needs to run on CPU, in one place.
 
 Applied by `apply()` only when CUDA is absent; with a GPU megatron-core runs as shipped.
-tests/test_megatron.py has one test per patch that fails once upstream no longer needs it
+tests/unit/test_megatron.py has one test per patch that fails once upstream no longer needs it
 (or no longer has the shape we patch).
 """
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from plugins.dist.launcher import RemoteBackend, WorkerError
 
-PROBE = "tests.test_launcher:Probe"  # imported by the workers (the launcher puts the repo on PYTHONPATH)
+PROBE = "tests.integration.test_launcher:Probe"  # imported by the workers (the launcher puts the repo on PYTHONPATH)
 
 
 class Probe:
@@ -179,7 +179,7 @@ def test_workers_die_when_their_parent_process_dies(tmp_path):
     """A process that started TP workers is SIGKILLed: torchrun and the ranks follow it."""
     code = f"""
 import sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 from plugins.dist.launcher import RemoteBackend
 r = RemoteBackend({PROBE!r}, ".", tp_size=2)
 print(r._proc.pid, *r.pids(), flush=True)
@@ -250,7 +250,7 @@ class Solo:
         pass
 
 
-SOLO = "tests.test_launcher:Solo"
+SOLO = "tests.integration.test_launcher:Solo"
 
 
 def test_process_launcher_runs_one_plain_worker(monkeypatch):
@@ -283,7 +283,7 @@ def test_a_native_crash_in_the_worker_is_one_clear_error(sig):
         remote.crash(int(sig))
     first = str(err.value).splitlines()[0]
     # the signal by name, the call, and where Python was (faulthandler's dump in the worker's log)
-    assert first.startswith(f"tests.test_launcher:Solo died with {sig.name} while running crash"), first
+    assert first.startswith(f"tests.integration.test_launcher:Solo died with {sig.name} while running crash"), first
     assert "test_launcher.py:" in first and "crash" in first.rpartition("(in ")[2], first
     assert _wait_gone([pid]) == []
     with pytest.raises(WorkerError, match="closed"):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_helpers import assert_nothing_left, load_rank
+from conversion_helpers import assert_nothing_left, hub_of, load_rank
+from megatron_upstream import add_our_meta, state_metadata
 from safetensors.torch import load_file
 
 import converters
@@ -19,14 +20,10 @@ from plugins.core.checkpoint import init_model, load_hf_model
 from plugins.core.config import kv_heads, load_model_config
 from plugins.hf import HFBackend
 
-_spec = importlib.util.spec_from_file_location("convert_script", Path(__file__).parent.parent / "scripts" / "convert.py")
+_spec = importlib.util.spec_from_file_location("convert_script", Path(__file__).resolve().parents[2] / "scripts" / "convert.py")
 convert_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_script)
 convert_cli = convert_script.main
-
-
-def hub_of(model):
-    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
 
 
 def read_hf(d):
@@ -185,17 +182,6 @@ def test_megatron_core_round_trip_is_bit_exact(ckpt_factory, tmp_path, padded_ba
     assert max_logit_diff(src, tmp_path / "back", padded_batch) == 0.0
 
 
-def _metadata(d):
-    from converters.megatron_core import read_metadata
-
-    return read_metadata(Path(d)).state_dict_metadata
-
-
-def _add_our_meta(d, padded_vocab, tp_size=1):
-    (Path(d) / "megatron.json").write_text(json.dumps({"format": "megatron-core dist_checkpointing", "tp_size": tp_size,
-                                                       "dtype": "float32", "padded_vocab_size": padded_vocab}))
-
-
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False, "vocab_size": 50000}], ids=["tied", "untied"])
 def test_megatron_core_files_are_what_megatron_core_saves_and_loads(overrides, ckpt_factory, tmp_path, padded_batch):
     """Our writer makes the same tensors and objects megatron-core's own save makes for the same GPTModel,
@@ -212,7 +198,7 @@ def test_megatron_core_files_are_what_megatron_core_saves_and_loads(overrides, c
     ref = MegatronGPT.from_hf(src)
     (tmp_path / "upstream").mkdir()
     save_upstream_in_process(ref.model, ref.config, tmp_path / "upstream")
-    ours, upstream = _metadata(tmp_path / "ours"), _metadata(tmp_path / "upstream")
+    ours, upstream = state_metadata(tmp_path / "ours"), state_metadata(tmp_path / "upstream")
     assert ours.keys() == upstream.keys()
     for key, md in upstream.items():
         assert type(ours[key]) is type(md), key
@@ -225,29 +211,8 @@ def test_megatron_core_files_are_what_megatron_core_saves_and_loads(overrides, c
     _, ids, mask = padded_batch
     assert torch.equal(MegatronGPT(fresh, ref.config, torch.float32, 1).logits(ids, mask), ref.logits(ids, mask))
 
-    _add_our_meta(tmp_path / "upstream", fresh.embedding.word_embeddings.weight.shape[0])
+    add_our_meta(tmp_path / "upstream", fresh.embedding.word_embeddings.weight.shape[0])
     config, hub = megatron_core.read(tmp_path / "upstream")
-    want = hub_of(load_hf_model(src))
-    assert hub.keys() == want.keys() and all(torch.equal(hub[k], want[k]) for k in want)
-
-
-def test_megatron_core_reader_assembles_shards_megatron_core_wrote_from_two_ranks(ckpt_factory, tmp_path):
-    """TP=2 ranks of a real GPTModel save with megatron-core's own writer: every sharded tensor is in two
-    chunks in two files; our reader puts them back together bit-exactly."""
-    from plugins.dist.launcher import RemoteBackend
-
-    src = ckpt_factory("tiny-mha")
-    dst = tmp_path / "upstream-tp2"
-    dst.mkdir()
-    tests = Path(__file__).parent
-    with RemoteBackend("megatron_upstream:UpstreamWriter", src, tp_size=2,
-                       env={"PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}) as ranks:
-        ranks.save_upstream(str(dst))
-    assert len(list(dst.glob("__1_*.distcp"))) >= 1  # rank 1 wrote its own files
-    qkv = _metadata(dst)["decoder.layers.self_attention.linear_qkv.weight"]
-    assert len(qkv.chunks) == 4  # 2 layers x 2 TP shards
-    _add_our_meta(dst, 49152, tp_size=2)
-    _, hub = megatron_core.read(dst)
     want = hub_of(load_hf_model(src))
     assert hub.keys() == want.keys() and all(torch.equal(hub[k], want[k]) for k in want)
 

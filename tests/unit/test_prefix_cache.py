@@ -4,12 +4,12 @@ tiny budget keeps answers right."""
 
 import pytest
 import torch
+from batch_driver import run_with_prefix_cache, shared_requests
 
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 from plugins.serving.batching import open_batch
-from plugins.serving.request import BatchRequest
 from plugins.serving.prefix_cache import PrefixCache
 
 BLOCK = 16
@@ -53,41 +53,13 @@ def test_a_longer_prompt_replaces_the_entry_it_extends_and_lru_evicts_under_the_
     assert cache.lookup(other + [1])[0] == 32 and cache.stats()["cached_bytes"] <= 64 * per_token
 
 
-def shared_requests(tokenizer, fim=False):
-    """Prompts sharing 0 %, part and all of a 70-token prefix, arriving together and one by one."""
-    base = prompt_token_ids(tokenizer, 70, 3)
-    tails = [prompt_token_ids(tokenizer, n, 10 + n) for n in (5, 9, 17)]
-    prompts = [base, base[:40] + tails[0], base + tails[1], base, prompt_token_ids(tokenizer, 33, 50),
-               base[:20] + tails[2], base + tails[1] + tails[0]]
-    if fim:  # the FIM format: <fim-prefix> shared prefix <fim-suffix> suffix <fim-middle>
-        prompts = [[1] + p + [3] + t + [2] for p, t in zip(prompts, tails * 3)]
-    return [(i // 2, BatchRequest(id=i, prompt=p, max_new_tokens=6 + i)) for i, p in enumerate(prompts)]
-
-
-def run(backend, schedule, prefix_cache_bytes, slots=3, capacity=160):
-    batch = open_batch(backend, slots, capacity, prefix_cache_bytes)
-    waiting, running, out, step, stats = list(schedule), set(), {}, 0, None
-    while waiting or running:
-        admit = []
-        while waiting and waiting[0][0] <= step and len(running) + len(admit) < slots:
-            admit.append(waiting.pop(0)[1])
-        result = batch.step(admit)
-        running.update(r.id for r in admit)
-        for rid, tokens in result["tokens"].items():
-            out.setdefault(rid, []).extend(tokens)
-        running.difference_update(result["finished"])
-        stats = result.get("prefix_cache", stats)
-        step += 1
-    return out, stats
-
-
 @pytest.mark.parametrize("name", ["hf", "deepspeed", "megatron"])
 def test_outputs_with_the_cache_on_are_those_with_it_off(tiny_dir, tokenizer, name):
     backend = load_backend(name, tiny_dir, dtype="float32")
     for fim in (False, True):
         schedule = shared_requests(tokenizer, fim)
-        off, none = run(backend, schedule, 0)
-        on, stats = run(backend, schedule, 1 << 20)
+        off, none = run_with_prefix_cache(backend, schedule, 0)
+        on, stats = run_with_prefix_cache(backend, schedule, 1 << 20)
         assert none is None and on == off
         assert stats["hits"] >= 4 and stats["reused_tokens"] >= 4 * BLOCK
 
@@ -110,9 +82,9 @@ def test_first_token_logits_after_a_hit_are_within_1e_5(ckpt_factory, tokenizer,
 def test_eviction_under_a_tiny_budget_keeps_every_answer_right(ckpt_factory, tokenizer):
     backend = load_backend("deepspeed", ckpt_factory("tiny"), dtype="float32")
     schedule = shared_requests(tokenizer)
-    off, _ = run(backend, schedule, 0)
+    off, _ = run_with_prefix_cache(backend, schedule, 0)
     per_token = backend.config.n_layer * 2 * (backend.config.n_embd // backend.config.n_head) * 4
-    on, stats = run(backend, schedule, 80 * per_token)  # at most one 64-token entry at a time
+    on, stats = run_with_prefix_cache(backend, schedule, 80 * per_token)  # at most one 64-token entry at a time
     assert on == off
     assert stats["cached_bytes"] <= 80 * per_token and stats["evictions"] >= 2 and stats["hits"] >= 1
 
@@ -121,15 +93,3 @@ def test_a_negative_budget_is_refused(ckpt_factory):
     backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
     with pytest.raises(ConfigError, match="prefix_cache_bytes"):
         open_batch(backend, 2, 32, -1)
-
-
-@pytest.mark.parametrize("name", ["deepspeed", "megatron"])
-def test_tp2_each_rank_reuses_its_share(ckpt_factory, tokenizer, name):
-    schedule = shared_requests(tokenizer)[:5]
-    with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
-        off, _ = run(backend, schedule, 0)
-        on, stats = run(backend, schedule, 1 << 20)
-    assert on == off and stats["hits"] >= 2
-    # rank 0's share of MHA: half the heads
-    config = backend.config
-    assert stats["cached_bytes"] % (config.n_layer * 2 * (config.n_head // 2) * (config.n_embd // config.n_head) * 4) == 0

@@ -3,67 +3,13 @@ batch at different steps produce, token for token, what `generate` produces for 
 
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
+from batch_driver import CAPACITY, SLOTS, alone, requests, run
 
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 from plugins.serving.batching import open_batch
 from plugins.serving.request import BatchRequest
-
-# (arrival step, prompt length, new tokens, sampling seed or None for greedy)
-SCHEDULE = [(0, 9, 12, None), (0, 23, 5, None), (1, 4, 30, None), (2, 31, 9, 7), (2, 6, 1, None),
-            (3, 14, 20, None), (5, 40, 8, None), (6, 3, 25, 11), (9, 18, 16, None), (12, 27, 6, None)]
-SLOTS = 4
-CAPACITY = 64  # small: rows hit the last column and compact several times
-
-
-def requests(tokenizer, eos=None):
-    out = []
-    for i, (step, length, new, seed) in enumerate(SCHEDULE):
-        out.append((step, BatchRequest(id=100 + i, prompt=prompt_token_ids(tokenizer, length, i), max_new_tokens=new,
-                                       do_sample=seed is not None, temperature=0.8, top_p=0.9, seed=seed or 0,
-                                       eos_token_id=eos)))
-    return out
-
-
-def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=None, prefix_cache_bytes=0,
-        steps=None, chunk=None, check=None):
-    """Drive open_batch / step as the server does: FIFO admission while slots are free. `steps`: a list
-    that gets (rows decoding before the step, prompt tokens computed in it, its phases, speculation
-    counts) per step. `chunk(step)`: that step's prompt tokens (as the server's adaptive budget hands them).
-    `check(batch)` runs after every step."""
-    batch = open_batch(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens=budget)
-    state = batch.state()
-    waiting, running, out, finished = list(schedule), set(), {}, {}
-    step = 0
-    while waiting or running:
-        decoding = batch.state()["running"]
-        admit = []
-        while waiting and waiting[0][0] <= step and len(running) + len(admit) < slots:
-            admit.append(waiting.pop(0)[1])
-        release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
-        running.difference_update(release)
-        result = batch.step(admit, release, *([chunk(step)] if chunk else []))
-        if steps is not None:
-            steps.append((decoding, result["chunk_tokens"], set(result["step_s"]), result.get("speculative")))
-        running.update(r.id for r in admit)
-        for rid, tokens in result["tokens"].items():
-            out.setdefault(rid, []).extend(tokens)
-        finished.update(result["finished"])
-        running.difference_update(result["finished"])
-        if check:
-            check(batch)
-        step += 1
-    return state, out, finished
-
-
-def alone(backend, request: BatchRequest) -> list[int]:
-    ids = torch.tensor([request.prompt])
-    result = backend.generate(ids, torch.ones_like(ids), request.max_new_tokens, do_sample=request.do_sample,
-                              temperature=request.temperature, top_p=request.top_p, seed=request.seed)
-    return result.tokens[0, len(request.prompt):].tolist()
-
 
 BACKENDS = [("hf", {}), ("deepspeed", {}), ("megatron", {})]
 
@@ -249,34 +195,3 @@ def test_a_draft_shorter_than_the_pool_is_refused(ckpt_factory):
     spec = load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": str(short)})
     with pytest.raises(ConfigError, match="exceeds the draft model's n_positions 32"):
         open_batch(spec, 2, 48)
-
-
-@pytest.mark.parametrize("name", ["deepspeed", "megatron"])
-def test_tp2_overlapping_requests_match_generate_alone(ckpt_factory, tokenizer, name):
-    schedule = requests(tokenizer)[:6]
-    with load_backend(name, ckpt_factory("tiny-mha"), dtype="float32", tp_size=2) as backend:
-        _, out, _ = run(backend, schedule)
-        _, chunked, _ = run(backend, schedule, budget=16)  # prompts in chunks of <= 16 tokens on every rank
-        _, varied, _ = run(backend, schedule, chunk=lambda step: (3, 17, 1, 8)[step % 4])  # per step, as the front says
-        for _, request in schedule:
-            assert out[request.id] == chunked[request.id] == varied[request.id] == alone(backend, request)
-        # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards
-        prompt = prompt_token_ids(tokenizer, 11, 30)
-        request = BatchRequest(id=1, prompt=prompt, max_new_tokens=6, repetition_penalty=1.5, logprobs=3,
-                               prompt_logprobs=1)
-        batch = open_batch(backend, 2, 64)
-        result = batch.step([request])
-        tokens, logprobs, scored = list(result["tokens"][1]), list(result["logprobs"][1]), result["prompt_logprobs"][1]
-        while batch.state()["running"]:
-            result = batch.step()
-            tokens += result["tokens"].get(1, [])
-            logprobs += result.get("logprobs", {}).get(1, [])
-        ids = list(prompt)
-        for token, (value, top) in zip(tokens, logprobs):
-            t = torch.tensor([ids])
-            logits = backend.logits(t, torch.ones_like(t))[:, -1]
-            logp = torch.log_softmax(logits[0].float(), -1)
-            assert abs(value - float(logp[token])) < 1e-5 and len(top) == 3
-            assert token == int(RepetitionPenaltyLogitsProcessor(1.5)(t, logits.clone()).argmax(-1))
-            ids.append(token)
-        assert len(tokens) == 6 and len(scored) == len(prompt) - 1

@@ -1,21 +1,16 @@
 """Atomic outputs (plugins.core.atomic): DST is absent, the old or the new complete output at every
-instant; racing writers, SRC inside DST, non-checkpoint DSTs and leftovers of killed writers."""
+instant; racing writers, SRC inside DST, non-checkpoint DSTs (killed writers: tests/integration/test_fresh_processes.py)."""
 
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from converters import convert
 from converters.mapping import ConversionError
-from plugins.core.atomic import RENAME_EXCHANGE, OutputError, atomic_dir, rename2, sweep_stale_temps
+from plugins.core.atomic import RENAME_EXCHANGE, OutputError, atomic_dir, rename2
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_marker(d: Path, text: str) -> None:
@@ -127,39 +122,6 @@ def test_read_only_parent_is_one_clear_error(ckpt_factory, tmp_path):
     ro.chmod(0o500)
     with pytest.raises(ConversionError, match="cannot write"):
         convert(ckpt_factory("tiny"), ro / "out", "hf", "hf")
-
-
-def test_stale_temp_of_a_killed_writer_is_swept_live_ones_are_kept(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f".out.tmp-{dead.pid}-abc"
-    stale.mkdir()
-    live = tmp_path / f".out.tmp-{os.getppid()}-def"  # a process that is alive
-    live.mkdir()
-    assert sweep_stale_temps(tmp_path / "out") == [stale]
-    assert not stale.exists() and live.exists()
-
-
-def test_sigkill_mid_write_leaves_the_old_dst_and_the_next_run_sweeps(ckpt_factory, tmp_path):
-    """A real SIGKILL while converting: DST still holds the old complete output; the next
-    conversion to DST removes the killed writer's temp dir."""
-    src = ckpt_factory("small")
-    dst = tmp_path / "out"
-    convert(ckpt_factory("tiny"), dst, "hf", "hf")
-    old = (dst / "config.json").read_text()
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from converters import convert; "
-            f"convert({str(src)!r}, {str(dst)!r}, 'hf', 'megatron-legacy', force=True)")
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the writer finished before it could be killed"
-    assert list(tmp_path.glob(".out.tmp-*")), "no temp dir to sweep"
-    assert (dst / "config.json").read_text() == old  # the old complete output, untouched
-    convert(ckpt_factory("tiny"), dst, "hf", "hf", force=True)
-    assert not list(tmp_path.glob(".out.tmp-*"))
 
 
 def test_outputs_follow_the_umask(ckpt_factory, tmp_path):

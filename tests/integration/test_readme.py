@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README, DOCS = REPO / "README.md", REPO / "docs"
 SKIP, CONTINUES, PEERS = "# not run by the tests", "# continues the block above", "# after `make peers`"
 SUBSTITUTIONS = [("santacoder-1b-mha", "tiny-mha"), ("santacoder-1b", "tiny")]

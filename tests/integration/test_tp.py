@@ -19,7 +19,7 @@ from plugins.deepspeed import AutoTPBackend, DeepSpeedBackend
 from plugins.engine.registry import load_backend
 from plugins.hf import HFBackend
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TP = 2
 NEW_TOKENS = 64
 

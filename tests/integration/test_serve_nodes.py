@@ -1,6 +1,6 @@
 """Tensor parallelism across machines, as two "nodes" on 127.0.0.1: `mqa-serve --nnodes 2 --node-rank R
 --rdzv-endpoint` on each (torchrun's c10d rendezvous), one rank per node, HTTP on node 0. Greedy answers
-equal `generate` alone token for token (so, equal to TP 2 on one machine, which tests/test_serve.py holds
+equal `generate` alone token for token (so, equal to TP 2 on one machine, which tests/integration/test_serve.py holds
 to the same answers); a rank of node 1 killed is one clear error on both nodes, and nothing is left."""
 
 import os

@@ -15,7 +15,7 @@ import yaml
 from plugins.core.config import ConfigError
 from plugins.engine.registry import load_backend
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # ggml's GELU (a table in f16 on CPU) moves fp32 logits by ~2e-4 on the tiny model
 F32_LOGIT_BOUND = 2e-3
 

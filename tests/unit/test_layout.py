@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("plugins", "injection", "converters", "scripts")
 
 # folder (dotted) -> level; a module imports only its own folder or a lower level
@@ -218,3 +218,51 @@ def test_a_planted_importlib_reach_is_found(tmp_path):
                                                     'importlib.import_module(TRAINER)\n'})
     assert importlib_reaches(root) == ["plugins/core/make.py:3 (plugins.core) loads 'plugins.train' (plugins.train)"]
     assert upward_imports(root) == []  # what the import rule alone would miss
+
+
+# ---- tests/unit runs in the test process: what starts a process belongs in tests/integration ---
+
+PROCESS_MODULES = ("subprocess", "multiprocessing", "live_server", "plugins.dist")
+STARTERS = ("load_backend", "from_hf", "from_megatron", "RemoteBackend")  # tp_size > 1 or a launcher: ranks
+
+
+def process_starts(path: Path) -> list[str]:
+    """Imports of a module that starts processes, and engine loads that start ranks, in one test file
+    (a load inside `with pytest.raises(...)` is refused before any rank starts: it is not counted)."""
+    found, tree = [], ast.parse(path.read_text(), str(path))
+    refused = {id(n) for w in ast.walk(tree) if isinstance(w, ast.With) and any(
+        isinstance(i.context_expr, ast.Call) and getattr(i.context_expr.func, "attr", "") == "raises" for i in w.items)
+        for stmt in w.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in refused:
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if any(n == m or n.startswith(m + ".") for m in PROCESS_MODULES)]
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("fork", "system", "posix_spawn") and getattr(node.func, "value", None) is not None \
+                    and getattr(node.func.value, "id", "") == "os":
+                found.append(f"{path.name}:{node.lineno} calls os.{func}")
+            for kw in node.keywords if func in STARTERS else ():
+                ranks = kw.arg == "tp_size" and not (isinstance(kw.value, ast.Constant) and kw.value.value == 1)
+                if ranks or kw.arg == "launcher":
+                    found.append(f"{path.name}:{node.lineno} {func}({kw.arg}=...) starts ranks")
+    return found
+
+
+def test_unit_tests_start_no_process():
+    found = [hit for path in sorted((REPO / "tests" / "unit").glob("*.py")) for hit in process_starts(path)]
+    assert not found, "process starts in tests/unit (move them to tests/integration):\n" + "\n".join(found)
+
+
+def test_a_planted_process_start_is_found(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text("import subprocess\nfrom plugins.dist.launcher import RemoteBackend\n"
+                    "b = load_backend('hf', d, tp_size=2)\nc = load_backend('hf', d, tp_size=1)\n"
+                    "e = DeepSpeedBackend.from_hf(d, launcher='process')\n"
+                    "with pytest.raises(ConfigError):\n    load_backend('hf', d, tp_size=3)\n")
+    assert process_starts(path) == ["test_x.py:1 imports subprocess", "test_x.py:2 imports plugins.dist.launcher",
+                                    "test_x.py:3 load_backend(tp_size=...) starts ranks",
+                                    "test_x.py:5 from_hf(launcher=...) starts ranks"]

@@ -6,10 +6,6 @@ weights (biases and layer norms randomised so they are exercised), on left-padde
 
 import copy
 import inspect
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import deepspeed
 import pytest
@@ -37,7 +33,6 @@ from plugins.engine.registry import load_backend
 from plugins.engine.sampling import Sampler
 from plugins.hf import HFBackend
 
-REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 64
 
 # (config name, overrides): MQA and MHA, several head counts / widths / depths.
@@ -161,41 +156,6 @@ def test_upstream_mlp_fallback_uses_erf_gelu_ours_tanh():
     assert torch.allclose(theirs.mlp_gemm_fallback(*args)[0], erf, atol=1e-5)
     assert not torch.allclose(erf, tanh, atol=1e-4)
     assert torch.allclose(ours.mlp_gemm_fallback(*args)[0], tanh, atol=1e-5)
-
-
-GPT2_SCRIPT = r"""
-import json, sys, torch, deepspeed
-from transformers import GPT2Config, GPT2LMHeadModel
-if sys.argv[1] == "register":
-    import injection
-    injection.register()
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)).eval()
-ids = torch.randint(0, 500, (2, 7))
-try:
-    engine = deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
-    with torch.no_grad():
-        logits = engine.module(ids).logits
-    out = {"modules": [type(m).__name__ for m in engine.module.modules()], "logits": logits.flatten().tolist()}
-except Exception as e:
-    out = {"error": f"{type(e).__name__}: {e}"}
-print("RESULT " + json.dumps(out))
-"""
-
-
-def test_gpt2_is_injected_exactly_as_without_us():
-    """Fresh processes, with and without register(): same modules and outputs (on CPU both get
-    DeepSpeed's own 'not implemented on CPU' error; with CUDA, DeepSpeed's GPT2 layers)."""
-    results = []
-    for mode in ("plain", "register"):
-        proc = subprocess.run([sys.executable, "-c", GPT2_SCRIPT, mode], cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        assert line, proc.stdout + proc.stderr
-        results.append(json.loads(line[0][len("RESULT "):]))
-    assert results[0] == results[1]
-    if not torch.cuda.is_available():
-        assert "not been implemented on CPU" in results[0]["error"]
 
 
 # --- the injected model ---------------------------------------------------------------------------
