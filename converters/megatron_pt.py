@@ -5,10 +5,15 @@ state-dict tree of such a file as flat "a/b/c" keys and back."""
 from __future__ import annotations
 
 import enum
+import signal
 from argparse import Namespace
-from pathlib import Path
+from io import BytesIO
+from pathlib import Path, PosixPath
+from types import SimpleNamespace
 
+import numpy
 import torch
+from numpy.core.multiarray import _reconstruct
 
 from converters.mapping import ConversionError
 from plugins.core.checkpoint import load_error
@@ -38,6 +43,10 @@ STAND_INS = {name: _StandIn(name, members, module="megatron.model.enums", qualna
              for name, members in _ENUMS.items()}
 SAFE_GLOBALS = [(STAND_INS[name], f"{module}.{name}") for module in ("megatron.model.enums", "megatron.enums")
                 for name in _ENUMS]
+# The stdlib and numpy part of megatron-core's own list (megatron.core.safe_globals.SAFE_GLOBALS): its
+# megatron classes are imported only for a file that names one, as importing megatron.core takes seconds.
+PLAIN_GLOBALS = [SimpleNamespace, PosixPath, _reconstruct, numpy.ndarray, numpy.dtype,
+                 numpy.dtypes.UInt32DType, Namespace, BytesIO, signal.Signals]
 
 
 def load_checkpoint_file(f: Path) -> dict:
@@ -45,11 +54,12 @@ def load_checkpoint_file(f: Path) -> dict:
     containers, argparse.Namespace, torch dtypes, numpy scalars (megatron-core's safe globals) and
     Megatron's enums as inert stand-ins. Any other global is refused, whatever torch's environment
     (`weights_only=True` is explicit)."""
-    from megatron.core.safe_globals import register_safe_globals
-
-    register_safe_globals()
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        if any(name.startswith("megatron.core.") for name in torch.serialization.get_unsafe_globals_in_checkpoint(f)):
+            from megatron.core.safe_globals import register_safe_globals
+
+            register_safe_globals()
+        with torch.serialization.safe_globals(SAFE_GLOBALS + PLAIN_GLOBALS):
             ckpt = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConversionError(f"{f} is missing") from None

@@ -212,3 +212,13 @@ def test_newer_nvidia_norm_names_are_read(ckpt_factory, tmp_path):
     torch.save(ck, f)
     convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")
     assert same_weights(src, tmp_path / "hf")
+
+
+def test_plain_safe_globals_are_megatron_cores_own():
+    """The reader allows the stdlib and numpy types megatron-core allows (without importing megatron.core
+    for a file that names none of its classes); fails if megatron.core.safe_globals changes its list."""
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    from converters.megatron_pt import PLAIN_GLOBALS
+
+    assert set(PLAIN_GLOBALS) == {g for g in SAFE_GLOBALS if not g.__module__.startswith("megatron.")}
