@@ -96,7 +96,7 @@ class ContinuousBatch:
     @torch.inference_mode()
     def step(self, admit: list[BatchRequest] = (), release: list[int] = (), chunk_tokens: int | None = None) -> dict:
         """Drop `release` (ids), take `admit`, prefill what the token budget allows (whole prompts
-        without one; `chunk_tokens`: this step's prompt tokens, in place of the batch's budget), place
+        without one; `chunk_tokens`: this step's prompt tokens, in place of the batch's budget; 0: none), place
         the prompts now complete, then one decode step for every active row.
         Returns {"tokens": {id: [new token ids]}, "finished": {id: "stop" (EOS) or "length"},
         "failed": {id: message}} (requests that raised alone, now released), and where asked
@@ -106,8 +106,8 @@ class ContinuousBatch:
         "prefill" and "decode", or "mixed" where the engine ran both in one forward); "running": rows
         that decode in the next step."""
         if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                         or chunk_tokens < 1):
-            raise ConfigError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+                                         or chunk_tokens < 0):
+            raise ConfigError(f"chunk_tokens must be an integer >= 0, got {chunk_tokens!r}")
         for request in admit:
             self.check(request)
         if self.held + len(admit) > self.slots:

@@ -5,6 +5,8 @@ cost differs ~20x across the CPUs this runs on (an AMX Xeon against an AVX2-only
 budget bounds the streams' inter-token latency everywhere. This one measures both on the running
 server and lets a step's chunks cost at most `stretch - 1` decode steps: a step with chunks takes
 about `stretch` times a plain decode step, so ITL p99 stays near `stretch` x p50 while prompts arrive.
+Where requests keep arriving, every step may carry a chunk and no plain decode step ever happens:
+then the budget asks for one step without chunks (0 tokens) to measure it.
 
 The cost of a chunk is affine in its tokens (weights read once, then compute per token), and its
 per-token estimate is remeasured every step: budget <- allowance / (observed extra seconds per
@@ -40,13 +42,15 @@ class AdaptiveTokenBudget:
         self._chunked = first                  # the budget of the last step that computed a chunk while rows decoded
 
     def next(self) -> int:
-        """Prompt tokens the next step may compute (decode rows not counted)."""
+        """Prompt tokens the next step may compute (decode rows not counted; 0: none this step)."""
         if not self.decoding:
             self.tokens = self.most
             return self.tokens
         if self.own_forward:
             self.tokens = self.own_forward_tokens
-        elif self.decode_s is None or self.token_s is None:
+        elif self.decode_s is None:
+            self.tokens = 0   # a plain decode step: the allowance is made of its time
+        elif self.token_s is None:
             self.tokens = self.first
         else:
             allowance = (self.stretch - 1) * self.decode_s

@@ -57,15 +57,15 @@ def test_a_chunk_size_per_step_matches_generate_alone(tiny_dir, tokenizer, name)
     every step: chunks end anywhere in a prompt, and every request still equals `generate` alone."""
     backend = load_backend(name, tiny_dir, dtype="float32")
     schedule = requests(tokenizer)
-    sizes = (5, 1, 23, 2, 9)
+    sizes = (5, 1, 0, 23, 2, 9)  # 0: a step that decodes while prompts wait
     steps = []
     _, out, _ = run(backend, schedule, chunk=lambda step: sizes[step % len(sizes)], steps=steps)
     for _, request in schedule:
         assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
     assert all(chunk <= sizes[i % len(sizes)] for i, (_, chunk, _, _) in enumerate(steps)), steps
-    assert {chunk for _, chunk, _, _ in steps} >= {1, 2, 5, 9}
-    with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 1"):
-        open_batch(backend, 2, 32).step([], [], 0)
+    assert {chunk for _, chunk, _, _ in steps} >= {0, 1, 2, 5, 9}
+    with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 0"):
+        open_batch(backend, 2, 32).step([], [], -1)
 
 
 def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer, monkeypatch):

@@ -42,7 +42,7 @@ def test_without_decoding_rows_a_step_takes_the_most_and_a_short_tail_is_not_mea
     budget = AdaptiveTokenBudget(first=64, least=8, most=512)
     assert budget.next() == 512  # nothing decodes yet: nobody to stall
     budget.observe(step(0.1, 0, 0.001, True, 0))
-    assert budget.next() == 64  # the rows just placed decode: the decode step is not known yet
+    assert budget.next() == 0  # the rows just placed decode: one step without chunks measures the decode step
     budget.observe(step(0.1, 0, 0.001, True, 0))
     assert budget.next() == 64  # rows decode, the chunk cost is not known yet
     budget.observe(step(0.1, 0, 0.001, True, 64))
@@ -51,6 +51,23 @@ def test_without_decoding_rows_a_step_takes_the_most_and_a_short_tail_is_not_mea
     assert budget.next() == 75
     budget.observe(step(0.1, 0, 0.001, True, 0, running=0))  # every row finished
     assert budget.next() == 512
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_with_prompts_waiting_at_every_step_it_measures_a_plain_decode_step_once(machine):
+    """Requests that keep arriving leave a chunk for every step: the decode step is then never seen
+    on its own unless the budget asks for one, and without it the budget would stay at `first`."""
+    decode_s, fixed_s, token_s, fused = MACHINES[machine]
+    budget = AdaptiveTokenBudget(first=16, least=8, most=2048, stretch=1.75)
+    budget.observe({"step_s": {"prefill": 4.0, "decode": decode_s}, "chunk_tokens": 128, "running": 1})
+    sizes = []
+    for _ in range(30):
+        tokens = budget.next()
+        sizes.append(tokens)
+        budget.observe(step(decode_s, fixed_s, token_s, fused, tokens))  # a prompt is always waiting
+    best = max(int((0.75 * decode_s - fixed_s) / token_s), 8)
+    assert sizes[:2] == [0, 16] and 0 not in sizes[2:], sizes
+    assert abs(sizes[-1] - best) <= max(2, best // 20), sizes
 
 
 def test_a_chunk_that_looks_free_at_most_doubles_the_budget():
@@ -69,7 +86,7 @@ def test_chunks_in_forwards_of_their_own_keep_a_fixed_budget():
     the budget does not shrink to nothing and starve the waiting prompts."""
     budget = AdaptiveTokenBudget(first=16, least=8, own_forward_tokens=128)
     budget.observe({"step_s": {"prefill": 1.0, "decode": 0.2}, "chunk_tokens": 512, "running": 8})
-    assert budget.next() == 16  # prompts prefilled while nothing decoded, then placed: not a reading
+    assert budget.next() == 0  # prompts prefilled while nothing decoded, then placed: not a reading
     budget.observe(step(0.12, 0, 0, False, 0))
     assert budget.next() == 16  # not known yet
     budget.observe(step(0.12, 0.1, 0.0013, False, 16))
