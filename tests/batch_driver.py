@@ -41,6 +41,7 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
         release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
         running.difference_update(release)
         result = batch.step(admit, release, *([chunk(step)] if chunk else []))
+        assert result["prefilling"] == batch.state()["prefilling"]  # what the adaptive budget weighs
         if steps is not None:
             steps.append((decoding, result["chunk_tokens"], set(result["step_s"]), result.get("speculative")))
         running.update(r.id for r in admit)

@@ -104,7 +104,7 @@ class ContinuousBatch:
         same per prompt token after the first}; "prefill_tokens": prompt tokens computed since the
         start; this step's "chunk_tokens" (prompt tokens computed) and "step_s" (seconds by phase:
         "prefill" and "decode", or "mixed" where the engine ran both in one forward); "running": rows
-        that decode in the next step."""
+        that decode in the next step; "prefilling": requests whose prompt is not complete yet."""
         if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                          or chunk_tokens < 0):
             raise ConfigError(f"chunk_tokens must be an integer >= 0, got {chunk_tokens!r}")
@@ -158,7 +158,8 @@ class ContinuousBatch:
                 self._decode(out, finished, failed, logprobs)
                 phases["decode"] = time.perf_counter() - decode_start
         result = {"tokens": out, "finished": finished, "failed": failed, "prefill_tokens": self.prefill_tokens,
-                  "chunk_tokens": computed, "step_s": phases, "running": self.n}
+                  "chunk_tokens": computed, "step_s": phases, "running": self.n,
+                  "prefilling": self.held - self.n}
         if logprobs:
             result["logprobs"] = logprobs
         if prompt_logprobs:

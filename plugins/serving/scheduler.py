@@ -228,7 +228,7 @@ class Scheduler:
                 self.metrics.waiting.set(len(self._waiting))
             try:
                 result = self.batch.step([r.params for r in admit], release,
-                                         self.budget.next() if self.budget else None)
+                                         self.budget.next(len(admit)) if self.budget else None)
                 if self.budget:
                     self.budget.observe(result)
             except Exception as exc:  # the engine's state is unknown: fail every request, refuse new ones

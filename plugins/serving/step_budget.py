@@ -14,6 +14,12 @@ token) converges to the largest chunk that fits the allowance. The budget at mos
 and a prompt's short tail (under half the budget) is not measured: one noisy reading cannot open a
 stall. With no row decoding, nobody's tokens wait on the chunk, and the step takes up to `most` tokens.
 
+The stretch bounds the wait of rows that have their first token; requests that wait for theirs wait too.
+When more requests wait for a first token (admitted now or mid-prompt) than rows decode, the step
+serves the larger group: up to `most` prompt tokens, as vLLM's scheduler does at every step. A burst
+whose first request started a step alone is then prefilled in the next step, not ~30 tokens per step
+behind the one stream that got ahead (its TTFT p99 grew with the burst's size).
+
 Where the engine runs each chunk as a forward of its own (hf, megatron, TP 2), a chunk of any size
 costs a full read of the weights, about a decode step already: no chunk fits the allowance, and the
 budget stays at `own_forward_tokens` (the fixed default's 128: a chunk that amortizes its weight read).
@@ -37,13 +43,18 @@ class AdaptiveTokenBudget:
         self.decode_s: float | None = None     # seconds of a step that only decodes (moving average)
         self.token_s: float | None = None      # extra seconds per chunk token in a step (moving average)
         self.decoding = False                  # rows will decode in the next step
+        self.rows = 0                          # how many
+        self.prefilling = 0                    # requests whose prompt is partly computed
+        self.queue_first = False               # this step serves the requests waiting for a first token
         self.own_forward = False               # the engine prefills chunks in forwards of their own
         self.tokens = first                    # this step's budget (the last `next()`)
         self._chunked = first                  # the budget of the last step that computed a chunk while rows decoded
 
-    def next(self) -> int:
-        """Prompt tokens the next step may compute (decode rows not counted; 0: none this step)."""
-        if not self.decoding:
+    def next(self, arriving: int = 0) -> int:
+        """Prompt tokens the next step may compute (decode rows not counted; 0: none this step);
+        `arriving`: requests admitted with this step."""
+        self.queue_first = self.decoding and self.prefilling + arriving > self.rows
+        if not self.decoding or self.queue_first:
             self.tokens = self.most
             return self.tokens
         if self.own_forward:
@@ -60,8 +71,12 @@ class AdaptiveTokenBudget:
     def observe(self, result: dict) -> None:
         """A step's result (`ContinuousBatch.step`): its phases' seconds, prompt tokens and rows after it."""
         phases, chunk = result.get("step_s", {}), result.get("chunk_tokens", 0)
-        decoded, self.decoding = self.decoding, result.get("running", 0) > 0
+        decoded, queue_first = self.decoding, self.queue_first
+        self.rows, self.prefilling = result.get("running", 0), result.get("prefilling", 0)
+        self.decoding = self.rows > 0
         if not decoded:  # no row decoded as the step began: its phases are prompts and newly placed rows
+            return
+        if queue_first:  # a decode step and a stall the stretch did not choose: not a reading of either
             return
         if chunk:
             self._chunked = self.tokens

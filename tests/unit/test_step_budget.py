@@ -96,6 +96,25 @@ def test_chunks_in_forwards_of_their_own_keep_a_fixed_budget():
         budget.observe(step(0.12, 0.1, 0.0013, False, tokens))
 
 
+def test_more_requests_waiting_for_a_first_token_than_rows_decoding_take_the_step():
+    """A burst whose first request started a step alone: the other requests arrive during it, and the
+    next step prefills them all rather than feeding them a stretch-sized chunk each step behind one
+    decoding row. Fewer waiting than decoding: the stretch again, its readings not disturbed."""
+    budget = AdaptiveTokenBudget(first=64, least=8, most=2048)
+    assert budget.next(arriving=1) == 2048  # nothing decodes
+    budget.observe({"step_s": {"prefill": 1.0}, "chunk_tokens": 128, "running": 1})
+    assert budget.next(arriving=15) == 2048  # 15 wait for a first token, 1 row decodes
+    budget.observe({"step_s": {"mixed": 16.0}, "chunk_tokens": 1920, "running": 16})
+    assert budget.decode_s is None and budget.token_s is None  # that step's time is no reading
+    assert budget.next() == 0  # 16 decode, none waits: measure a plain decode step
+    budget.observe(step(0.1, 0, 0.001, True, 0, running=16))
+    assert budget.next(arriving=1) == 64  # 1 arrives while 16 decode
+    budget.observe({**step(0.1, 0, 0.001, True, 64, running=16), "prefilling": 1})  # a long prompt, partly done
+    assert budget.next() == 75  # still 1 waiting against 16 decoding: the stretch
+    budget.observe({**step(0.1, 0, 0.001, True, 75, running=2), "prefilling": 1})  # 14 rows finished
+    assert budget.next(arriving=2) == 2048  # 3 waiting against 2 decoding
+
+
 def test_refuses_bounds_out_of_order():
     with pytest.raises(ValueError, match="least <= first <= most"):
         AdaptiveTokenBudget(first=4, least=8)
