@@ -31,7 +31,7 @@ from plugins import kernels
 from plugins.core.checkpoint import load_hf_model, read_hf_config
 from plugins.core.config import ConfigError
 from plugins.core.tensors import check_load, resolve_dtype
-from plugins.deepspeed.decoder import InjectedDecoder
+from plugins.deepspeed.decoder import InjectedDecoder, head_packs
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import GenerationResult
 from plugins.engine.hf_model import HFDecoder, HFModelBackend, PoolDecoder
@@ -100,7 +100,20 @@ class DeepSpeedBackend(HFModelBackend):
                                                          compile=compile)
         if quantize is not None:
             quantize_model(backend.model, quantize, quantize_lm_head)
+        if backend.dtype == torch.bfloat16 and backend.device == "cpu" and not compile:
+            backend._prepack()
         return backend
+
+    def _prepack(self) -> None:
+        """Every bf16 weight packed now for each layout the kernel table picks at some row count, not
+        by the first forward that reaches it (inductor packs for itself under `compile`)."""
+        from injection import layer
+
+        impls = kernels.packed_bf16_impls()
+        layer.prepack(self.model, impls)
+        head = head_packs(self.model)
+        if head is not None and self.model.lm_head.weight.dtype == torch.bfloat16:
+            head.prepack(self.model.lm_head.weight, impls)
 
     @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:

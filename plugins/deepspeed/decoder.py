@@ -28,13 +28,7 @@ class InjectedDecoder(HFDecoder):
         batch = layer.keys.shape[0] if layer.is_initialized else 1
         self.keep = torch.ones(batch, 1, 1, layer.capacity, dtype=torch.bool, device=model.device)
         self.padded = False
-        head = model.lm_head
-        self.packs = None  # an int8 head (quantize_lm_head) runs as its own module
-        if type(head) is nn.Linear:
-            # weight packs are made once per model, not per generate() call (packing the head is not free)
-            if not hasattr(head, "decode_packs"):
-                head.decode_packs = PackedWeights()
-            self.packs = head.decode_packs
+        self.packs = head_packs(model)
         self.step = compiled(self._step, cache) if compile else self._step
 
     def _step(self, tokens, position_ids, mask):
@@ -100,6 +94,17 @@ class InjectedDecoder(HFDecoder):
         mask = attention_mask[:, None, None, :].bool() if self.padded else None
         with rows_alone():
             return self._step(tokens, position_ids, mask)
+
+
+def head_packs(model) -> PackedWeights | None:
+    """The LM head's weight packs, made once per model, not per generate() call (packing the head is not
+    free); None for an int8 head (quantize_lm_head), which runs as its own module."""
+    head = model.lm_head
+    if type(head) is not nn.Linear:
+        return None
+    if not hasattr(head, "decode_packs"):
+        head.decode_packs = PackedWeights()
+    return head.decode_packs
 
 
 def compiled(step, cache):

@@ -332,6 +332,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.gelu(out, approximate="tanh") if gelu else out
 
 
+def packed_bf16_impls() -> list[str]:
+    """The bf16 implementations with a weight pack of their own (our tiles, oneDNN's reorder) that the
+    probe picks at some row count: what a model packs once, at load (`PackedWeights.prepack`)."""
+    p = probe("bf16")
+    picks = {p.bf16(rows) for rows in (1, *(top + 1 for top in BUCKETS))}  # a row count per bucket
+    return sorted(impl for impl in picks if impl in TILED or impl == "onednn")
+
+
 def paths(dtype: torch.dtype, batch: int, prompt_len: int, int8: bool = False) -> dict:
     """What `linear` / `int8_linear` run for a decode step of `batch` rows and a prefill of
     batch x prompt_len rows, in `dtype` on CPU (the probe's choice; CUDA and fp32: 'torch')."""

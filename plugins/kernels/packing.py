@@ -40,3 +40,9 @@ class PackedWeights:
             entry = (weight, pack)
             self.packed[key] = entry
         return entry[1]
+
+    def prepack(self, weight: torch.Tensor, impls) -> None:
+        """Make now the packs `impls` (names as Probe.bf16 gives them) would make on first use."""
+        for impl in impls:
+            if impl in TILED or impl == "onednn":
+                self.get(weight, impl)

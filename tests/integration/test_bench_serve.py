@@ -140,6 +140,7 @@ def test_chunked_prefill_bench_keeps_every_step_within_its_budget(ckpt_factory, 
     # whole prompts: one step per long prompt; budget 16: a 64-token prompt takes >= 4 steps
     assert chunked16["mixed_steps"] + chunked16["prefill_steps"] >= 2 * 64 / 16
     assert off["itl_p50_s"] > 0 and chunked16["long_ttft_p50_s"] > 0
+    assert 0 < chunked16["stream_ttft_p50_s"] <= chunked16["stream_ttft_max_s"]
 
 
 def test_speculation_bench_reports_acceptance_only_where_it_speculates(ckpt_factory, tmp_path):

@@ -132,6 +132,25 @@ def test_deepspeed_bf16_speculative_equals_plain_greedy(name, ckpt_factory, padd
 
 
 @pytest.mark.kernels
+def test_bf16_weights_are_packed_at_load_for_every_row_count(tiny_dir):
+    """Loading in bf16 packs the layers' and the LM head's weights for each layout the kernel table
+    picks at some row count; forwards of one row count per bucket then pack nothing more."""
+    ds = load_backend("deepspeed", tiny_dir, dtype="bfloat16")
+    stores = [op.packs for block in ds.model.transformer.h
+              for op in (block.attention.qkv_func, block.attention.vector_matmul_func, block.mlp.mlp_gemm_func)]
+    stores.append(ds.model.lm_head.decode_packs)
+    layouts = {"tiles" if impl in kernels.TILED else impl for impl in kernels.packed_bf16_impls()}
+    weights = 4 * len(ds.model.transformer.h) + 1
+    made = sum(len(store.packed) for store in stores)
+    assert made == weights * len(layouts), (made, layouts)
+    for rows in (1, *(top + 1 for top in kernels.BUCKETS)):
+        t = min(rows, ds.config.n_positions - 2)
+        ids = torch.randint(0, ds.config.vocab_size, (-(-rows // t), t))
+        ds.generate(ids, torch.ones_like(ids), 2)
+    assert sum(len(store.packed) for store in stores) == made
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
 def test_bf16_verify_logits_equal_one_token_steps(name, ckpt_factory, padded_batch):
     if kernels.probe().bf16(1) not in kernels.ROW_INVARIANT:
