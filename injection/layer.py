@@ -56,11 +56,10 @@ def linear(x, weight, bias, packs: PackedWeights, gelu: bool = False):
     return kernels.linear(x, weight.t(), bias, gelu, packs)
 
 
-def prepack(model, impls) -> int:
+def prepack(model, impls) -> None:
     """Pack every injected layer's bf16 weights for `impls` (plugins.kernels.packed_bf16_impls()) as their
-    first forward at each row count would, keyed as `linear` asks; returns how many weights. Packing
-    santacoder-1b for oneDNN takes seconds, which otherwise land on a server's first long prompt."""
-    packed = 0
+    first forward at each row count would, keyed as `linear` asks: a server's first long prompt would
+    otherwise wait for it (docs/kernels.md)."""
     for block in model.modules():
         if not isinstance(block, DeepSpeedGPTBigCodeInference):
             continue
@@ -71,8 +70,6 @@ def prepack(model, impls) -> int:
                            (mlp.mlp_gemm_func, mlp.inter_w), (mlp.mlp_gemm_func, mlp.output_w)):
             if hasattr(op, "packs") and weight is not None and weight.dtype == torch.bfloat16:
                 op.packs.prepack(weight.t(), impls)
-                packed += 1
-    return packed
 
 
 class GPTBigCodeQKVGemmOp(QKVGemmOp):

@@ -17,8 +17,8 @@ stall. With no row decoding, nobody's tokens wait on the chunk, and the step tak
 The stretch bounds the wait of rows that have their first token; requests that wait for theirs wait too.
 When more requests wait for a first token (admitted now or mid-prompt) than rows decode, the step
 serves the larger group: up to `most` prompt tokens, as vLLM's scheduler does at every step. A burst
-whose first request started a step alone is then prefilled in the next step, not ~30 tokens per step
-behind the one stream that got ahead (its TTFT p99 grew with the burst's size).
+whose first request started a step alone is then prefilled in the next step, not a stretch-sized chunk
+per step behind the one stream that got ahead (its TTFT p99 grew with the burst's size).
 
 Where the engine runs each chunk as a forward of its own (hf, megatron, TP 2), a chunk of any size
 costs a full read of the weights, about a decode step already: no chunk fits the allowance, and the
@@ -43,7 +43,7 @@ class AdaptiveTokenBudget:
         self.decode_s: float | None = None     # seconds of a step that only decodes (moving average)
         self.token_s: float | None = None      # extra seconds per chunk token in a step (moving average)
         self.decoding = False                  # rows will decode in the next step
-        self.rows = 0                          # how many
+        self.rows = 0                          # rows decoding in the next step
         self.prefilling = 0                    # requests whose prompt is partly computed
         self.queue_first = False               # this step serves the requests waiting for a first token
         self.own_forward = False               # the engine prefills chunks in forwards of their own
