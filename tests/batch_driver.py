@@ -41,7 +41,6 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
         release = [rid for rid in running if cancel and cancel(rid, len(out.get(rid, [])))]
         running.difference_update(release)
         result = batch.step(admit, release, *([chunk(step)] if chunk else []))
-        assert result["prefilling"] == batch.state()["prefilling"]  # what the adaptive budget weighs
         if steps is not None:
             steps.append((decoding, result["chunk_tokens"], set(result["step_s"]), result.get("speculative")))
         running.update(r.id for r in admit)
@@ -49,6 +48,8 @@ def run(backend, schedule, slots=SLOTS, capacity=CAPACITY, cancel=None, budget=N
             out.setdefault(rid, []).extend(tokens)
         finished.update(result["finished"])
         running.difference_update(result["finished"])
+        # admitted and still without a first token: what the adaptive budget weighs against decoding rows
+        assert result["prefilling"] == sum(1 for rid in running if not out.get(rid) and rid not in result["failed"])
         if check:
             check(batch)
         step += 1

@@ -42,7 +42,6 @@ class AdaptiveTokenBudget:
         self.own_forward_tokens = own_forward_tokens
         self.decode_s: float | None = None     # seconds of a step that only decodes (moving average)
         self.token_s: float | None = None      # extra seconds per chunk token in a step (moving average)
-        self.decoding = False                  # rows will decode in the next step
         self.rows = 0                          # rows decoding in the next step
         self.prefilling = 0                    # requests whose prompt is partly computed
         self.queue_first = False               # this step serves the requests waiting for a first token
@@ -53,8 +52,8 @@ class AdaptiveTokenBudget:
     def next(self, arriving: int = 0) -> int:
         """Prompt tokens the next step may compute (decode rows not counted; 0: none this step);
         `arriving`: requests admitted with this step."""
-        self.queue_first = self.decoding and self.prefilling + arriving > self.rows
-        if not self.decoding or self.queue_first:
+        self.queue_first = 0 < self.rows < self.prefilling + arriving
+        if not self.rows or self.queue_first:
             self.tokens = self.most
             return self.tokens
         if self.own_forward:
@@ -71,9 +70,8 @@ class AdaptiveTokenBudget:
     def observe(self, result: dict) -> None:
         """A step's result (`ContinuousBatch.step`): its phases' seconds, prompt tokens and rows after it."""
         phases, chunk = result.get("step_s", {}), result.get("chunk_tokens", 0)
-        decoded, queue_first = self.decoding, self.queue_first
+        decoded, queue_first = self.rows > 0, self.queue_first
         self.rows, self.prefilling = result.get("running", 0), result.get("prefilling", 0)
-        self.decoding = self.rows > 0
         if not decoded:  # no row decoded as the step began: its phases are prompts and newly placed rows
             return
         if queue_first:  # a decode step and a stall the stretch did not choose: not a reading of either
