@@ -193,9 +193,10 @@ def main(argv=None) -> int:
     except BaseException:
         backend.close()
         raise
-    # The loaded process holds ~400k objects (torch, transformers, DeepSpeed): a full collection walks them
-    # all, and the one that requests' allocations trigger now and then stalls an engine step by as long as
-    # the step itself. Frozen, they are never walked again (vLLM freezes its engine's heap too).
+    # The loaded process holds hundreds of thousands of objects (torch, transformers, DeepSpeed): a full
+    # collection walks them all, and the one that requests' allocations trigger now and then stalls an
+    # engine step (docs/results/2026-12-06-queue-first-steps-avx512bf16.md). Frozen, they are never walked
+    # again (vLLM freezes its engine's heap too).
     gc.collect()
     gc.freeze()
     model_id = args.checkpoint_dir.resolve().name
