@@ -42,9 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     from converters import convert  # torch and friends: only once the arguments are known
     from plugins.core.config import ConfigError
 

@@ -38,10 +38,11 @@ def main() -> int:
 
     from plugins.core.tensors import DTYPES
     from plugins.core.checkpoint import load_hf_model
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
     from plugins.core.tokenizer import checkpoint_tokenizer, make_batch
 
     quiet_upstream()
+    exit_without_collecting()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     dtype = DTYPES[args.dtype]
     tok, _ = checkpoint_tokenizer(args.checkpoint)  # the model's own vocabulary (trained ones have a small one)

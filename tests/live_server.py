@@ -36,7 +36,7 @@ class Server:
             except httpx2.HTTPError:
                 pass
             assert time.monotonic() < deadline, self.output()
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def output(self) -> str:

@@ -64,9 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from plugins.core.console import announce, quiet_upstream
+    from plugins.core.console import announce, exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     from plugins.bench import config as bench_config
     from plugins.bench import grid, probes, report, roofline
     from plugins.core.config import REPO_ROOT, ConfigError, load_model_config

@@ -145,10 +145,11 @@ def write_markdown(path: Path, result: dict) -> None:
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
     from plugins.core.config import REPO_ROOT
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
     from plugins.core.tokenizer import checkpoint_tokenizer
 
     quiet_upstream()
+    exit_without_collecting()
     try:
         tok, _ = checkpoint_tokenizer(args.checkpoint_dir)
     except ValueError as e:  # its ids do not fit the model

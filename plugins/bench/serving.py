@@ -180,9 +180,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     ap, args, config = parse_args(argv)
-    from plugins.core.console import announce, quiet_upstream
+    from plugins.core.console import announce, exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     from plugins.core.config import REPO_ROOT
     from plugins.core.tokenizer import checkpoint_tokenizer
 

@@ -18,6 +18,7 @@ whole process group, stopped processes included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -112,7 +113,7 @@ class RemoteBackend:
             # Own session: close() can end torchrun and its ranks as one process group.
             self._proc = subprocess.Popen(command, env=worker_env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True, preexec_fn=partial(die_with_parent, signal.SIGTERM))
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir, self._pids)
         self._conn: Connection | None = None
         self._failure: str | None = None  # why the workers were given up (a call failed), for dead_worker()
         try:
@@ -126,7 +127,7 @@ class RemoteBackend:
         self.name, self.config, self.dtype = info["name"], info["config"], info["dtype"]
         self.kv_layout = info["kv_layout"]  # part of the contract, a class default on the engines
         host = socket.gethostname()  # rank r's process id where it runs here (others: their collectives fail)
-        self._pids = [pid if on == host else None for on, pid in info.get("pids", [])]
+        self._pids[:] = [pid if on == host else None for on, pid in info.get("pids", [])]  # _stop's list too
         for key, value in info["attributes"].items():  # the engine's plain settings (e.g. compute_type)
             if key not in vars(self) and not hasattr(type(self), key):
                 setattr(self, key, value)
@@ -323,12 +324,16 @@ def _threads_per_rank(nproc: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // nproc)
 
 
-def _stop(proc: subprocess.Popen, tmp_dir: Path) -> None:
-    """End the worker process group we started (torchrun and its ranks), then remove our temp dir."""
+def _stop(proc: subprocess.Popen, tmp_dir: Path, pids=()) -> None:
+    """End the worker process group we started (torchrun and its ranks), then remove our temp dir.
+    `pids`: the ranks' process ids here (None elsewhere); torchrun starts each rank in a session of its own."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            os.killpg(proc.pid, signal.SIGCONT)  # a stopped rank handles SIGTERM only once continued
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped rank handles SIGTERM only once continued:
+            for pid in filter(None, pids):       # torchrun's SIGTERM to it would wait out its 30 s
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
             proc.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass

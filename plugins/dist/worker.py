@@ -162,5 +162,8 @@ def _serve(rank: int, world: int, group: bool, pids: list, front: int) -> None:
 
 
 if __name__ == "__main__":
+    from plugins.core.console import exit_without_collecting
+
+    exit_without_collecting()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     worker_main()

@@ -154,9 +154,10 @@ def check_args(ap, args) -> dict:
 
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
-    from plugins.core.console import announce, quiet_upstream
+    from plugins.core.console import announce, exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     checked = check_args(ap, args)
     if args.node_rank > 0:
         from plugins.dist.launcher import join_group

@@ -28,9 +28,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     import torch
 
     from plugins.core.config import REPO_ROOT, ConfigError, load_model_config, load_tokenizer_name, load_train_spec

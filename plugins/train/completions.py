@@ -171,9 +171,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write every completion and verdict here")
     args = ap.parse_args(argv)
 
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     import torch
 
     from plugins.core.checkpoint import load_hf_model

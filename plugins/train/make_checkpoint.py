@@ -29,9 +29,10 @@ def main(argv=None) -> int:
                     help="a Jinja chat template, written into tokenizer_config.json (seeded checkpoints)")
     args = ap.parse_args(argv)
 
-    from plugins.core.console import quiet_upstream
+    from plugins.core.console import exit_without_collecting, quiet_upstream
 
     quiet_upstream()
+    exit_without_collecting()
     from plugins.core.checkpoint import init_model, load_hf_model, save_hf_dir
     from plugins.core.config import ConfigError, load_model_config, load_tokenizer_name, load_train_spec
     from plugins.core.tensors import resolve_dtype
