@@ -21,11 +21,18 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# The whole suite on this CPU's own kernel rung (implementations chosen by timing them here), then the
-# kernel tests again with each lower rung forced and the ladder's fixed choices (plugins/kernels), so
-# one machine covers the paths of every CPU in the pool.
+# The whole suite on this CPU's own kernel rung (implementations chosen by timing them here), in
+# TEST_WORKERS pytest-xdist workers, each taking whole files (a file's module fixtures, a server or a
+# TP world, start once), then the kernel tests again with each lower rung forced and the ladder's fixed
+# choices (plugins/kernels), so one machine covers the paths of every CPU in the pool. The kernel
+# timings the suite reads (every kind at this machine's thread count; bf16 at one thread, as TP ranks
+# and replicas run) are taken first, while nothing else runs: timed beside the tests they would be
+# noise, and they are cached.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m plugins.kernels >/dev/null
+	OMP_NUM_THREADS=1 $(PY) -m plugins.kernels --kind bf16 >/dev/null
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 	@for rung in $$($(PY) -m plugins.kernels --lower-rungs); do \
 		echo "== kernel tests with PLUGINS_KERNELS=$$rung"; \
 		PLUGINS_KERNELS=$$rung PLUGINS_KERNELS_TABLE=static $(PY) -m pytest -q -m kernels tests || exit 1; \

@@ -170,6 +170,19 @@ def _torch_backend_init(self, *args, **kwargs):
             pass
 
 
+def mapped_shm_segments() -> set:
+    """Names of this user's DeepSpeed all-reduce segments that a live process maps."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.rsplit("/", 1)[-1].strip() for line in f if "/dev/shm/" + prefix in line)
+        except OSError:  # a process that ended, or another user's
+            continue
+    return mapped
+
+
 def sweep_shm_segments(min_age_s: float = 60.0) -> list[str]:
     """Unlink this user's DeepSpeed all-reduce segments that no live process maps: what ranks killed
     before patch 5's unlink (e.g. during a TP load) left in /dev/shm. Segments younger than
@@ -181,13 +194,7 @@ def sweep_shm_segments(min_age_s: float = 60.0) -> list[str]:
         return []
     if not names:
         return []
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.rsplit("/", 1)[-1].strip() for line in f if "/dev/shm/" + prefix in line)
-        except OSError:  # a process that ended, or another user's
-            continue
+    mapped = mapped_shm_segments()
     removed = []
     for name in names:
         path = os.path.join("/dev/shm", name)

@@ -1,19 +1,21 @@
 """`python -m plugins.kernels`: which linear implementation this machine runs, per dtype and rows.
 
 `--lower-rungs` prints the rungs below this machine's own (what `make test` forces in turn);
-`--bench` times santacoder-1b's linears per implementation and row count (plugins.kernels.bench).
+`--bench` times santacoder-1b's linears per implementation and row count (plugins.kernels.bench);
+`--kind` measures (or reads) the table of one kind only (`make test` times what its tests use first).
 """
 
 import argparse
 import json
 
-from plugins.kernels import RUNGS, probe
+from plugins.kernels import KINDS, RUNGS, probe
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--lower-rungs", action="store_true", help="print the rungs below this machine's, one line")
 ap.add_argument("--bench", action="store_true", help="time santacoder-1b's linears (2 layers) per row count, ms")
+ap.add_argument("--kind", choices=KINDS, help="the table of this kind only (default: every kind)")
 args = ap.parse_args()
-p = probe()
+p = probe(args.kind)
 if args.bench:
     from plugins.kernels.bench import bench
 
