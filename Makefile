@@ -27,12 +27,13 @@ $(STAMP): requirements.txt pyproject.toml
 # choices (plugins/kernels), so one machine covers the paths of every CPU in the pool. The kernel
 # timings the suite reads (every kind at this machine's thread count; bf16 at one thread, as TP ranks
 # and replicas run) are taken first, while nothing else runs: timed beside the tests they would be
-# noise, and they are cached.
+# noise, and they are cached. The workers share the cores, so idle OpenMP threads sleep instead of
+# spinning (libgomp's default spin takes the core another worker's process waits for).
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m plugins.kernels >/dev/null
 	OMP_NUM_THREADS=1 $(PY) -m plugins.kernels --kind bf16 >/dev/null
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	OMP_WAIT_POLICY=passive $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 	@for rung in $$($(PY) -m plugins.kernels --lower-rungs); do \
 		echo "== kernel tests with PLUGINS_KERNELS=$$rung"; \
 		PLUGINS_KERNELS=$$rung PLUGINS_KERNELS_TABLE=static $(PY) -m pytest -q -m kernels tests || exit 1; \
