@@ -32,15 +32,25 @@ import torch
 import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
+from converters.errors import ConversionError
+from converters.kv_heads import pool_kv_heads, regroup_kv_heads, with_groups  # noqa: F401 (KV pooling: kv_heads.py)
 from plugins.core.config import TANH_GELUS, ConfigError, check_tp, head_dim, hf_shapes, kv_heads
 from plugins.core.tensors import FLOAT_DTYPES
 
 DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by (multiplied by TP)
-DIALECTS = ("mcore", "legacy", "bigcode")
+MCORE_DIALECTS = ("mcore", "mcore-te")  # megatron-core GPTModel names: local layer spec / Transformer Engine spec
+DIALECTS = (*MCORE_DIALECTS, "legacy", "bigcode")
+# megatron-core's get_gpt_layer_local_spec() `sharded_state_dict_keys_map`: the local spec's layer norms under
+# the names the Transformer Engine spec gives them (fused into the next linear as its layer_norm_weight/bias).
+TE_LAYER_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-class ConversionError(ConfigError):
-    """A checkpoint cannot be converted: missing/extra/misshapen tensors, disagreeing ranks, bad TP."""
+def te_name(name: str) -> str:
+    """A local-spec megatron-core name -> the Transformer Engine spec's name of the same tensor."""
+    for old, new in TE_LAYER_NORMS.items():
+        name = name.replace("." + old, "." + new)
+    return name
 
 
 # --------------------------------------------------------------------------- model geometry
@@ -137,7 +147,7 @@ class QKV(Column):
     """Fused `[q heads of group | k | v]` per group (weight rows or bias entries)."""
 
     def _kv_replicated(self, s):
-        return s.dialect != "mcore" and s.groups < s.tp
+        return s.dialect not in MCORE_DIALECTS and s.groups < s.tp
 
     def split(self, t, s):
         if not self._kv_replicated(s):
@@ -220,13 +230,13 @@ BIGCODE_MQA = {
 
 def entries(config: GPTBigCodeConfig, s: Layout):
     """(layer or None, HF name, [(Megatron name, rule), ...]) for every hub tensor, in model order."""
-    col = 1 if s.dialect == "mcore" else 2
+    col = 1 if s.dialect in MCORE_DIALECTS else 2
     for row in TABLE:
         hf, rule = row[0], row[3]
         if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue
         targets = BIGCODE_MQA.get(hf) if s.split_qkv else None
-        targets = targets or [(row[col], rule)]
+        targets = targets or [(te_name(row[col]) if s.dialect == "mcore-te" else row[col], rule)]
         layers = range(config.n_layer) if "{i}" in hf else [None]
         for i in layers:
             yield i, hf.format(i=i), [(name.format(i=i), r) for name, r in targets]
@@ -287,7 +297,7 @@ def megatron_to_hf(rank_states: list[dict], config: GPTBigCodeConfig, dialect: s
     """One flat state dict per TP rank -> hub. Checks names and shard shapes on every rank."""
     tp = len(rank_states)
     if padded_vocab_size is None:  # infer from the embedding shard
-        name = TABLE[0][1 if dialect == "mcore" else 2]
+        name = TABLE[0][1 if dialect in MCORE_DIALECTS else 2]
         if name in rank_states[0]:
             padded_vocab_size = rank_states[0][name].shape[0] * tp
     s = Layout(config, tp, padded_vocab_size, dialect)
@@ -329,49 +339,3 @@ def mcore_to_hf(rank_states: list[dict], config: GPTBigCodeConfig) -> dict:
     """Inverse of `hf_to_mcore`; `_extra_state` keys are ignored, replicated tensors must agree."""
     rank_states = [{k: v for k, v in st.items() if not k.endswith("._extra_state")} for st in rank_states]
     return megatron_to_hf(rank_states, config, "mcore")
-
-
-# --------------------------------------------------------------------------- KV-head pooling
-
-def with_groups(config: GPTBigCodeConfig, groups: int) -> GPTBigCodeConfig:
-    """A copy of `config` with `groups` KV heads (MQA, MHA, or Megatron-only GQA)."""
-    d = config.to_dict()
-    d.pop("num_query_groups", None)
-    d["multi_query"] = groups == 1
-    d["num_key_value_heads"] = groups  # HF derives it from multi_query, but from_dict would keep the old one
-    new = GPTBigCodeConfig.from_dict(d)
-    if 1 < groups < config.n_head:
-        new.num_query_groups = groups
-    return new
-
-
-def pool_kv_heads(hf_state: dict, config: GPTBigCodeConfig, target: int):
-    """Mean-pool adjacent K and V heads into `target` groups (Ainslie et al. 2023, GQA).
-
-    Returns (config, hub state); the queries are untouched. `target` must divide the current
-    number of KV heads (MHA -> MQA/GQA, or GQA -> fewer groups).
-    """
-    g, n = kv_heads(config), config.n_head
-    if not isinstance(target, int) or isinstance(target, bool) or target < 1 or g % target or n % target:
-        raise ConversionError(f"kv_heads={target!r}: must be a positive divisor of the {g} KV heads "
-                              f"of the source (n_head {n})")
-    return regroup_kv_heads(hf_state, config, target,
-                            lambda kv: kv.reshape(target, g // target, *kv.shape[1:]).float().mean(1).to(kv.dtype))
-
-
-def regroup_kv_heads(hf_state: dict, config: GPTBigCodeConfig, groups: int, new_kv) -> tuple[GPTBigCodeConfig, dict]:
-    """The model with `groups` KV heads: each layer's c_attn regrouped, `new_kv` mapping the source's
-    [KV heads, 2 (k, v), d, ...] to [groups, 2, d, ...] (pooled when fewer, repeated when more)."""
-    g, n, d = kv_heads(config), config.n_head, config.n_embd // config.n_head
-    if groups == g:
-        return config, hf_state
-    out = dict(hf_state)
-    for i in range(config.n_layer):
-        for kind in ("weight", "bias"):
-            name = f"transformer.h.{i}.attn.c_attn.{kind}"
-            t = hf_state[name]
-            rest = t.shape[1:]
-            grouped = t.reshape(g, n // g + 2, d, *rest)  # per group [q heads | k | v]
-            q = grouped[:, : n // g].reshape(groups, n // groups, d, *rest)
-            out[name] = torch.cat([q, new_kv(grouped[:, n // g:])], 1).reshape(-1, *rest)
-    return with_groups(config, groups), out

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from transformers import GPTBigCodeConfig
 
-from converters.mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf,
-                                padded_vocab_size, stored_dtype)
+from converters.mapping import (TE_LAYER_NORMS, ConversionError, check_megatron_config, hf_to_megatron,
+                                megatron_to_hf, padded_vocab_size, stored_dtype)
 from plugins.core.config import check_hf_config, hf_shapes
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
@@ -34,9 +34,8 @@ FORMAT = "megatron-core dist_checkpointing"
 META_NAME = "megatron.json"
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
-# megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec(): sharded_state_dict_keys_map
-LAYER_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# the local spec's layer norms are saved under the TE spec's names (its sharded_state_dict_keys_map)
+LAYER_KEYS = TE_LAYER_NORMS
 LAYER_PREFIX = "decoder.layers."
 # linear layers whose (empty) `_extra_state` megatron-core saves per layer
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
