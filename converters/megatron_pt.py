@@ -43,16 +43,34 @@ STAND_INS = {name: _StandIn(name, members, module="megatron.model.enums", qualna
              for name, members in _ENUMS.items()}
 SAFE_GLOBALS = [(STAND_INS[name], f"{module}.{name}") for module in ("megatron.model.enums", "megatron.enums")
                 for name in _ENUMS]
-# The stdlib and numpy part of megatron-core's own list (megatron.core.safe_globals.SAFE_GLOBALS): its
-# megatron classes are imported only for a file that names one, as importing megatron.core takes seconds.
+
+
+class GeneratorState:
+    """Stands in for a pickled `torch.Generator`: Megatron-LM's graph-safe RNG tracker saves its states as
+    generators in `rng_state` (megatron-core 0.19 allows `torch._C.Generator` for them). Allowed as itself,
+    the weights-only unpickler would call `torch._C.Generator(device)` and `__setstate__((seed, offset,
+    state))`: torch's own code, no code from the file, but a CUDA generator cannot be built on a CPU-only
+    torch. The converters ignore RNG state, so the pickled values are only kept here."""
+
+    def __init__(self, device=None):
+        self.device, self.state = device, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+# The stdlib, numpy and torch part of megatron-core's own list (megatron.core.safe_globals.SAFE_GLOBALS,
+# 0.19's included): its megatron classes are imported only for a file that names one (importing
+# megatron.core takes seconds).
 PLAIN_GLOBALS = [SimpleNamespace, PosixPath, _reconstruct, numpy.ndarray, numpy.dtype,
-                 numpy.dtypes.UInt32DType, Namespace, BytesIO, signal.Signals]
+                 numpy.dtypes.UInt32DType, Namespace, BytesIO, signal.Signals,
+                 (GeneratorState, "torch._C.Generator")]
 
 
 def load_checkpoint_file(f: Path) -> dict:
     """One model_optim_rng.pt, mapped (not copied), through torch's weights-only unpickler: tensors,
-    containers, argparse.Namespace, torch dtypes, numpy scalars (megatron-core's safe globals) and
-    Megatron's enums as inert stand-ins. Any other global is refused, whatever torch's environment
+    containers, argparse.Namespace, torch dtypes, numpy scalars (megatron-core's safe globals), and
+    Megatron's enums and torch generators as inert stand-ins. Any other global is refused, whatever torch's environment
     (`weights_only=True` is explicit)."""
     try:
         if any(name.startswith("megatron.core.") for name in torch.serialization.get_unsafe_globals_in_checkpoint(f)):

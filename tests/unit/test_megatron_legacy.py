@@ -214,11 +214,56 @@ def test_newer_nvidia_norm_names_are_read(ckpt_factory, tmp_path):
     assert same_weights(src, tmp_path / "hf")
 
 
+def _global_name(g) -> str:
+    return g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+
+
 def test_plain_safe_globals_are_megatron_cores_own():
-    """The reader allows the stdlib and numpy types megatron-core allows (without importing megatron.core
-    for a file that names none of its classes); fails if megatron.core.safe_globals changes its list."""
+    """The reader allows the stdlib, numpy and torch types megatron-core allows (without importing megatron.core
+    for a file that names none of its classes); fails if megatron.core.safe_globals changes its list. 0.19 adds
+    torch._C.Generator (its safe_globals.py: "Needed for torch ckpt format loading"), which 0.16.1 lacks."""
     from megatron.core.safe_globals import SAFE_GLOBALS
 
     from converters.megatron_pt import PLAIN_GLOBALS
 
-    assert set(PLAIN_GLOBALS) == {g for g in SAFE_GLOBALS if not g.__module__.startswith("megatron.")}
+    upstream = {_global_name(g) for g in SAFE_GLOBALS if not g.__module__.startswith("megatron.")}
+    assert {_global_name(g) for g in PLAIN_GLOBALS} == upstream | {"torch._C.Generator"}
+
+
+class _CudaGenerator:
+    """Pickles as Megatron-LM's graph-safe RNG tracker state of a GPU run does: torch.Generator's own
+    __reduce__ (class, (device,), (seed, offset, state)), on device cuda:0."""
+
+    def __init__(self, seed):
+        self.gen = torch.Generator()
+        self.gen.manual_seed(seed)
+
+    def __reduce__(self):
+        return torch._C.Generator, (torch.device("cuda", 0),), self.gen.__reduce__()[2]
+
+
+def test_training_rng_state_with_generators_loads_inert(ckpt_factory, tmp_path):
+    """A training checkpoint's rng_state (numpy state, CPU and CUDA generators) reads on a CPU-only torch, as inert
+    values: the real class would build a CUDA generator (refused here), and no code from the file runs."""
+    import numpy as np
+
+    from converters.megatron_pt import GeneratorState
+
+    convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy")
+    f = stage_file(tmp_path / "l", 0, 0, 1)
+    ck = load_for_edit(f)
+    cpu = torch.Generator()
+    cpu.manual_seed(3)
+    ck["rng_state"] = [{"random_rng_state": (3, tuple(range(5)), None), "np_rng_state": np.random.get_state(),
+                        "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(16, dtype=torch.uint8),
+                        "rng_tracker_states": {"model-parallel-rng": _CudaGenerator(11), "cpu": cpu}}]
+    torch.save(ck, f)
+    assert "torch._C.Generator" in torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    with pytest.raises(Exception):  # what the real class does with it on this machine
+        with torch.serialization.safe_globals([torch._C.Generator]):
+            torch.load(f, weights_only=True)
+    states = megatron_legacy.load_checkpoint_file(f)["rng_state"][0]["rng_tracker_states"]
+    assert {k: (type(v), v.device.type, v.state[0]) for k, v in states.items()} == {
+        "model-parallel-rng": (GeneratorState, "cuda", 11), "cpu": (GeneratorState, "cpu", 3)}
+    convert(tmp_path / "l", tmp_path / "hf", "megatron-legacy", "hf")  # weights only: rng_state ignored
+    assert same_weights(ckpt_factory("tiny"), tmp_path / "hf")
