@@ -81,6 +81,13 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
         save_stages(Path(dst), stages, args, {"hf_config": config.to_dict()})
 
 
+def check_loadable(dst: str | Path, config: GPTBigCodeConfig) -> None:
+    """Every stage file holds exactly the keys the fork's GPT model of that stage loads strictly."""
+    from converters.megatron_legacy import check_loadable as check_stages
+
+    check_stages(dst, config, "multiquery" if kv_heads(config) == 1 else "multihead")
+
+
 class fork_enum_module:
     """While saving, `megatron.model.enums` names the stand-in enums, so the pickle refers to
     `megatron.model.enums.PositionEmbeddingType` exactly as the fork's own checkpoints do."""

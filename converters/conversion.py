@@ -1,9 +1,11 @@
 """The conversion procedure: read SRC, optionally pool KV heads and cast, write and verify DST.
 
-Every format module has `read(src) -> (config, hf_state)` and `write(config, hf_state, dst_dir,
-tp_size=1)` (`pp_size` and `iteration` where the format has pipeline stages and iterations);
-`hf_state` is the HF-named full state dict (the hub, see mapping.py). `convert()` = read -> optional KV-head pooling / dtype cast -> write into a temp
-dir beside DST -> read it back and compare every tensor -> rename to DST.
+Every format module has `read(src) -> (config, hf_state)`, `write(config, hf_state, dst_dir, tp_size=1)`
+(`pp_size` and `iteration` where the format has pipeline stages and iterations, `layer_spec` for
+megatron-torch) and `check_loadable(dst_dir, config)`; `hf_state` is the HF-named full state dict (the hub,
+see mapping.py). `convert()` = read -> optional KV-head pooling / dtype cast -> write into a temp dir beside
+DST -> check it against what its consumer loads strictly (consumers.py) -> read it back and compare every
+tensor -> rename to DST.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _takes(fn, name: str) -> bool:
 
 def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, pp_size: int = 1,
             kv_heads: int | None = None, dtype: str | torch.dtype | None = None, iteration: int | None = None,
-            force: bool = False, progress=None) -> dict:
+            force: bool = False, progress=None, layer_spec: str | None = None) -> dict:
     """Convert checkpoint SRC (src_format) to DST (dst_format); returns a summary dict.
 
     tp_size, pp_size: tensor / pipeline ranks of the output (Megatron formats; PP: Megatron-LM legacy and
@@ -80,12 +82,13 @@ def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, pp_siz
     dtype: cast every tensor (float32, bfloat16, float16: storage only, so float16 works on CPU too).
     iteration: which iteration of a Megatron-LM / BigCode-fork SRC (default: the tracker's).
     progress: a tqdm-like bar (`set_description`, `reset(total)`, `update`), ticked per layer.
+    layer_spec: megatron-torch's layer names, "local" (default) or "te" (Transformer Engine's).
     Errors (ConversionError, a ValueError) are raised before DST is touched; DST appears only
     once complete and verified, atomically (plugins.core.atomic).
     """
     try:
         return _convert(Path(src), Path(dst), src_format, dst_format, tp_size, pp_size, kv_heads, dtype, iteration,
-                        force, progress)
+                        force, progress, layer_spec)
     except ConversionError:
         raise
     except ConfigError as e:  # from the shared readers and checks: one error type for converter users
@@ -93,7 +96,7 @@ def convert(src, dst, src_format: str, dst_format: str, tp_size: int = 1, pp_siz
 
 
 def _convert(src: Path, dst: Path, src_format, dst_format, tp_size, pp_size, kv_heads, dtype, iteration, force,
-             progress) -> dict:
+             progress, layer_spec) -> dict:
     t0 = time.perf_counter()
     reader, writer = format_module(src_format), format_module(dst_format, write=True)
     for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
@@ -103,7 +106,10 @@ def _convert(src: Path, dst: Path, src_format, dst_format, tp_size, pp_size, kv_
         raise ConversionError(f"the HF format has no tensor parallelism (got tp_size={tp_size})")
     if pp_size != 1 and not _takes(writer.write, "pp_size"):
         raise ConversionError(f"format {dst_format!r} has no pipeline stages (got pp_size={pp_size}); "
-                              "write megatron-legacy or bigcode-megatron for PP")
+                              "write megatron-torch, megatron-legacy or bigcode-megatron for PP")
+    if layer_spec is not None and not _takes(writer.write, "layer_spec"):
+        raise ConversionError(f"format {dst_format!r} has no layer spec choice (layer_spec={layer_spec!r}); "
+                              "it is megatron-torch's")
     if iteration is not None and not _takes(reader.read, "iteration"):
         raise ConversionError(f"format {src_format!r} has no iterations (iteration={iteration!r})")
     cast = storage_dtype(dtype) if dtype is not None else None
@@ -128,8 +134,10 @@ def _convert(src: Path, dst: Path, src_format, dst_format, tp_size, pp_size, kv_
     if broken is not None:
         raise ConversionError(f"{src}: {broken} holds NaN or infinite values; refusing to convert a broken checkpoint")
     # Refuse what the writer would refuse before creating anything.
-    Layout(config, tp_size, None, "mcore" if dst_format == "megatron" else "legacy")
+    Layout(config, tp_size, None, "mcore" if dst_format in ("megatron", "megatron-torch") else "legacy")
     write_kwargs = {"pp_size": pp_size} if pp_size != 1 else {}
+    if layer_spec is not None:
+        write_kwargs["layer_spec"] = layer_spec
     if hasattr(writer, "check_writable"):
         writer.check_writable(config, tp_size, **write_kwargs)
 
@@ -138,6 +146,8 @@ def _convert(src: Path, dst: Path, src_format, dst_format, tp_size, pp_size, kv_
             _stage(progress, f"write {dst_format}")
             source = {"source": src} if _takes(writer.write, "source") else {}  # its tokenizer travels along
             _call(writer.write, config, hub, tmp, tp_size=tp_size, progress=progress, **write_kwargs, **source)
+            _stage(progress, "check keys")
+            writer.check_loadable(tmp, config)  # what its consumer loads, strictly: before anything is published
             _stage(progress, "verify")
             config2, hub2 = _call(writer.read, tmp, progress=progress)
             verify(config, hub, config2, hub2)

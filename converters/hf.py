@@ -64,3 +64,14 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     config.save_pretrained(dst)
     state = {k: v.contiguous() for k, v in hf_state.items()}
     save_file(state, dst / WEIGHTS_NAME, metadata={"format": "pt"})
+
+
+def check_loadable(dst: str | Path, config: GPTBigCodeConfig) -> None:
+    """The weights file holds exactly GPTBigCodeForCausalLM's tensors and shapes (the tied head aside)."""
+    from safetensors import safe_open
+
+    from converters import consumers
+
+    with safe_open(Path(dst) / WEIGHTS_NAME, framework="pt") as f:
+        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    consumers.check_strict(WEIGHTS_NAME, got, consumers.hf_keys(config), "transformers' GPTBigCodeForCausalLM")

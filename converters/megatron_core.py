@@ -117,6 +117,20 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     (dst / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def check_loadable(dst: str | Path, config: GPTBigCodeConfig) -> None:
+    """The checkpoint holds exactly the tensors (global shapes) and objects of megatron-core's
+    `GPTModel.sharded_state_dict()`: what `dist_checkpointing.load(..., strict=RAISE_ALL)` accepts."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from converters import consumers
+
+    dst = Path(dst)
+    got = {k: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+           for k, md in read_metadata(dst).state_dict_metadata.items()}
+    want = consumers.mcore_sharded_keys(config, read_meta(dst)["padded_vocab_size"])
+    consumers.check_strict(".metadata", got, want, "megatron-core dist_checkpointing.load of GPTModel")
+
+
 # --------------------------------------------------------------------------- read
 
 _DCP = "torch.distributed.checkpoint."

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import GPTBigCodeConfig
 
+from converters import consumers
 from converters.mapping import (ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size,
                                 pool_kv_heads, regroup_kv_heads, stored_dtype, with_groups)
 from converters.megatron_pt import flatten, load_checkpoint_file, nest  # noqa: F401 (used by tests and bigcode)
@@ -44,6 +45,7 @@ from converters.stages import read_stages as _read_stages
 from plugins.core.config import TANH_GELUS, check_hf_config, kv_heads
 
 ENCODER = "language_model/encoder/"
+OUTPUT_LAYER = "language_model/output_layer/weight"  # untied head
 
 
 # --------------------------------------------------------------------------- args
@@ -160,7 +162,40 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     ranks = hf_to_megatron(state, wide, "legacy", tp_size, padded, progress=progress)
     counts = [config.n_layer // pp_size] * pp_size
     stages = [split_stages(r, counts, config.tie_word_embeddings) for r in ranks]
-    save_stages(Path(dst), stages, args, {"hf_config": config.to_dict()})
+    save_stages(Path(dst), stages, args, {"hf_config": config.to_dict()}, model=lambda state, t, p: nest(
+        with_extra_state(state)))
+
+
+# megatron-core's Column/RowParallelLinear, which NVIDIA's legacy model uses since core_v0.5.0, save an extra
+# state (None) that a strict load requires.
+MCORE_LINEARS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+
+
+def with_extra_state(state: dict) -> dict:
+    out = dict(state)
+    for key in state:
+        m = LEGACY.layer.match(key)
+        if (m and m.group(2).endswith(".weight") and m.group(2)[:-7] in MCORE_LINEARS) or key == OUTPUT_LAYER:
+            out[key[:-len("weight")] + "_extra_state"] = None
+    return out
+
+
+def check_loadable(dst: str | Path, config: GPTBigCodeConfig, fork_heads: str | None = None) -> None:
+    """Every stage file holds exactly the keys NVIDIA's legacy GPT model (or, with fork_heads, BigCode's
+    fork) of that stage loads strictly."""
+    dst = Path(dst)
+    it_dir, args, _ = read_layout(dst)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tied, counts = not args.untie_embeddings_and_output_weights, layers_per_stage(args, pp)
+    consumer = "NVIDIA Megatron-LM's legacy GPT model" if fork_heads is None else "BigCode's Megatron-LM fork"
+    for t in range(tp):
+        for p in range(pp):
+            f = rank_dir(it_dir, t, p, pp) / FILE
+            got = consumers.flat_values(load_checkpoint_file(f)["model"])
+            if fork_heads is None:
+                got = consumers.nvidia_legacy_view(got)
+            want = consumers.legacy_stage_keys(counts[p], p == 0, p == pp - 1, tied, pp, fork_heads)
+            consumers.check_strict(str(f.relative_to(dst)), got, want, f"{consumer} (TP rank {t}, PP stage {p})")
 
 
 def read(src: str | Path, iteration: int | None = None, progress=None) -> tuple[GPTBigCodeConfig, dict]:
