@@ -27,7 +27,8 @@ is timed on a santacoder-1b layer at one row count per bucket of BUCKETS (decode
 prefill), and the fastest is used per bucket; the timings are cached beside the compiled kernels,
 keyed by the CPU, torch and our kernel sources. One-row steps choose among row-invariant
 implementations only (`rows_alone`). PLUGINS_KERNELS_TABLE=static skips the timing and uses the
-ladder's fixed choices (`Probe.static`), as tests that check those paths do.
+ladder's fixed choices (`Probe.static`), as tests that check those paths do; a timing that other
+processes disturbed gives those too, and is not kept.
 
 bf16 without a GEMM of ours or oneDNN's (AVX2 CPUs, or a forced rung below avx512f): products with
 more rows than the kernel takes run in fp32 ('fp32'): each thread converts a tile of weight
@@ -167,6 +168,10 @@ class Probe:
         out["int4"] = unasked if self.choices and "int4" not in self.choices else self.int4()
         if self.timings:
             out["timings_ms"] = self.timings
+            busy = [kind for kind, t in self.timings.items() if isinstance(t, str)]  # measure.py: not kept
+            if busy:
+                out["table"] = (f"static for {'/'.join(busy)}: the machine was busy while timing"
+                                + (", measured for the others" if len(busy) < len(self.choices) else ""))
         return out
 
 

@@ -13,6 +13,14 @@ implementations only, since exact speculative verification (`rows_alone`) runs e
 one-row choice. The timings are kept in a JSON file beside the compiled kernels, keyed by the CPU's
 model name and flags, the torch version, the thread count and our kernel sources, so the next process
 reads them; a file lock keeps concurrent processes (tensor-parallel ranks) from timing at once.
+
+Timings taken while other processes compete for the cores are wrong, and wrong in ways that change the
+choice (a 2-thread kernel whose second thread waits for a core is slowed several times, a 1-thread one
+is not), so the load is read while timing (`LoadWatch`): the CPU time other processes used on our cores
+(/proc/stat, the hypervisor's steal included, less our own from getrusage) over each window of at least
+WINDOW_S. At the first window where they took more than BUSY_SHARE of the cores the timing runs on, the
+timing stops: this process runs the ladder's fixed choices and nothing is kept, so a later start times
+again. `forget` drops a cached table (`python -m plugins.kernels --remeasure`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -39,6 +48,10 @@ DROP_FROM_ROWS = 256  # from this many rows a candidate GIVE_UP times slower is 
 FORMAT = 2          # bump when the file's meaning changes
 # int8 implementations whose rows are computed as each row alone (exact integer sums)
 INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
+# Other processes taking more than this share of the cores the timing runs on make it a busy machine's
+# table (not kept). Quiet reads ~0, one busy loop beside a 2-thread timing on 2 cores ~0.5 (docs/kernels.md).
+BUSY_SHARE = 0.15
+WINDOW_S = 0.5  # the load is read over windows at least this long: /proc/stat counts whole ticks (10 ms)
 
 
 def cpu_model() -> str:
@@ -68,25 +81,51 @@ def cache_dir() -> Path:
     return Path(_get_build_directory("kernel_choices", verbose=False))
 
 
+def table_path() -> Path:
+    return cache_dir() / f"{machine_key()}.json"
+
+
 def measured_choices(p: Probe, path: Path | None = None, kinds=KINDS) -> tuple[dict, dict]:
     """(choices: kind -> implementation per bucket, timings: kind -> bucket label -> {impl: ms}) for the
-    candidates `p` offers for `kinds`, from the cache file when it holds them all, else timed now (and
-    cached beside the other kinds' timings)."""
-    path = path or cache_dir() / f"{machine_key()}.json"
+    candidates `p` offers for `kinds`, from the cache file for the kinds it holds, the others timed now
+    (and cached beside them). A timing the machine's load spoiled (`LoadWatch`) is not kept: its kinds
+    get the ladder's fixed choices, and a string saying why instead of timings."""
+    path = path or table_path()
     wanted = {kind: p.candidates(kind) for kind in kinds}
     timings = _read(path)
+    busy = None
     if not _covers(timings, wanted):
         with _locked(path.with_suffix(".lock")):
             timings = _read(path)  # another process may have timed them meanwhile
-            if not _covers(timings, wanted):
+            todo = {k: c for k, c in wanted.items() if not _covers(timings, {k: c})}
+            if todo:
                 from plugins.core.console import announce
 
-                announce(f"timing the CPU {'/'.join(wanted)} linear implementations on this machine (once per machine, "
+                announce(f"timing the CPU {'/'.join(todo)} linear implementations on this machine (once per machine, "
                          "kind and thread count, ~20-60 s)...")
-                timings = _merge(timings, time_candidates(wanted))
-                _write(path, timings)
-    return choose(timings, wanted), {k: {b: {i: timings[k][b][i] for i in wanted[k]} for b in timings[k]}
-                                     for k in wanted}
+                try:
+                    timings = _merge(timings, time_candidates(todo, watch=LoadWatch()))
+                    _write(path, timings)
+                except Busy as exc:
+                    busy = {k: f"not kept: {exc}" for k in todo}
+                    announce(f"{exc} while the CPU linears were timed: this process runs the fixed choices "
+                             "(PLUGINS_KERNELS_TABLE=static), and the timings are not kept (timed again on a later start)")
+    timed = {k: c for k, c in wanted.items() if not busy or k not in busy}
+    rows = (1, *BUCKETS[1:], BUCKETS[-1] + 1)  # a row count per bucket
+    return ({**choose(timings, timed), **{k: tuple(p.static(k, r) for r in rows) for k in busy or ()}},
+            {**{k: {b: {i: timings[k][b][i] for i in timed[k]} for b in timings[k]} for k in timed}, **(busy or {})})
+
+
+def forget(kinds=KINDS, path: Path | None = None) -> None:
+    """Drop `kinds` from the cached timings (`python -m plugins.kernels --remeasure`): the next probe
+    times them again."""
+    path = path or table_path()
+    with _locked(path.with_suffix(".lock")):
+        kept = {k: v for k, v in (_read(path) or {}).items() if k in KINDS and k not in kinds}
+        if kept:
+            _write(path, kept)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def choose(timings: dict, wanted: dict) -> dict:
@@ -105,13 +144,19 @@ def choose(timings: dict, wanted: dict) -> dict:
     return choices
 
 
-def time_candidates(wanted: dict, layer=LAYER) -> dict:
-    """kind (of `wanted`) -> bucket label -> {impl: best ms of one pass over `layer`'s linears}."""
+def time_candidates(wanted: dict, layer=LAYER, watch: LoadWatch | None = None) -> dict:
+    """kind (of `wanted`) -> bucket label -> {impl: best ms of one pass over `layer`'s linears}. With
+    `watch`, the load is read after the setup and each race, and a busy window raises `Busy`."""
+    check = watch.check if watch else lambda final=False: None  # read often: a busy machine stops early
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in layer]
     biases = [torch.randn(n, generator=gen).bfloat16() for n, _ in layer]
+    check()
     int8 = [(q, s.bfloat16()) for q, s in map(quantize_per_channel, weights)] if "int8" in wanted else []
-    int4 = {impl: [quantize_int4(w.float(), layout=impl) for w in weights] for impl in wanted.get("int4", ())}
+    int4 = {}
+    for impl in wanted.get("int4", ()):
+        check()
+        int4[impl] = [quantize_int4(w.float(), layout=impl) for w in weights]
     packs = PackedWeights()
 
     def runner(kind, impl, x, only=None):
@@ -126,7 +171,9 @@ def time_candidates(wanted: dict, layer=LAYER) -> dict:
     x = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
     for kind in wanted:  # packs made (once per weight, as in a model) before anything is timed
         for impl in wanted[kind]:
+            check()
             runner(kind, impl, x)()
+    check()
     out = {kind: {} for kind in wanted}
     dropped = {kind: set() for kind in wanted}
     last = len(TIMED_ROWS) - 1
@@ -137,33 +184,92 @@ def time_candidates(wanted: dict, layer=LAYER) -> dict:
         for kind in wanted:
             live = {impl: runner(kind, impl, x, only) for impl in wanted[kind] if impl not in dropped[kind]}
             times = _race(live)
+            check()
             best = min(times.values())
             if rows >= DROP_FROM_ROWS:  # compute-bound from here: a fixed cost (a conversion) no longer hides
                 dropped[kind] |= {impl for impl, ms in times.items() if ms > GIVE_UP * best}
             out[kind][bucket_label(i)] = {impl: times.get(impl) for impl in wanted[kind]}
+    check(final=True)
     return out
 
 
 def _race(fns: dict) -> dict:
     """Best ms per function: one pass each, then up to PASSES rounds (while the race is under
     RACE_BUDGET_S) that run every remaining function once in turn, so a swing of the machine's
-    bandwidth hits all."""
+    bandwidth hits all. A function GIVE_UP times slower than the best is left out of the rounds after
+    the first, so one pass slowed by a moment's noise does not drop it."""
     began = time.perf_counter()
-    first = {}
+    best = {}
     for name, fn in fns.items():
         start = time.perf_counter()
         fn()
-        first[name] = (time.perf_counter() - start) * 1e3
-    best = dict(first)
-    live = [n for n in fns if first[n] <= GIVE_UP * min(first.values())]
-    for _ in range(PASSES):
+        best[name] = (time.perf_counter() - start) * 1e3
+    for round_ in range(PASSES):
         if time.perf_counter() - began > RACE_BUDGET_S:
             break
-        for name in live:
+        for name in [n for n in fns if round_ == 0 or best[n] <= GIVE_UP * min(best.values())]:
             start = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     return {name: max(round(ms, 4), 1e-4) for name, ms in best.items()}
+
+
+class Busy(Exception):
+    """Other processes took too much of the cores while timing (the message says how much)."""
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(wall s, CPU s all processes used on the CPUs this process may run on, including the hypervisor's
+    steal, CPU s this process used), or None where /proc/stat cannot be read."""
+    allowed = os.sched_getaffinity(0)
+    total = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in allowed:
+                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, ticks[:8])
+                    total += user + nice + system + irq + softirq + steal
+    except (OSError, ValueError):
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), total / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
+
+
+def contention(others_s: float, wall_s: float, cpus: int, threads: int) -> float:
+    """The share of the cores a timing's `threads` run on that other processes took over a window of
+    `wall_s`: their CPU time beyond the cores those threads leave free, per core the threads use. A 1-thread
+    timing on 2 cores shares nothing with one busy process on the other core."""
+    used = max(1, min(threads, cpus))
+    return min(1.0, max(0.0, others_s / wall_s - (cpus - used)) / used)  # (ticks round either way)
+
+
+class LoadWatch:
+    """Reads `contention` over each window of at least WINDOW_S while a timing runs; `check()` raises
+    `Busy` at the first window above `threshold`. `readings` holds each window's share."""
+
+    def __init__(self, threshold: float = BUSY_SHARE, sample=None):
+        self.sample, self.threshold = sample or cpu_sample, threshold
+        self.mark = self.last = self.sample()
+        self.readings: list[float] = []
+
+    def check(self, final: bool = False) -> None:
+        now = self.sample()
+        if now is None or self.mark is None:
+            return
+        if now[0] - self.mark[0] < WINDOW_S:
+            if not final:
+                return
+            self.mark = self.last  # too short to read alone: read with the window before (or from the start)
+        cpus = len(os.sched_getaffinity(0))
+        wall = max(now[0] - self.mark[0], 1e-6)
+        others = (now[1] - self.mark[1]) - (now[2] - self.mark[2])
+        share = contention(others, wall, cpus, torch.get_num_threads())
+        self.readings.append(round(share, 3))
+        self.last, self.mark = self.mark, now
+        if share > self.threshold:
+            raise Busy(f"other processes took {share:.0%} of the cores the timing ran on "
+                       f"({others / wall:.2f} of {cpus} CPUs over {wall:.1f} s)")
 
 
 def _covers(timings: dict | None, wanted: dict) -> bool:

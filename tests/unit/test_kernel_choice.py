@@ -120,10 +120,10 @@ def test_timings_are_cached_and_timed_again_only_when_they_do_not_cover(tmp_path
     wanted = {kind: p.candidates(kind) for kind in kernels.KINDS}
     calls = []
 
-    def fake(wanted_now, layer=measure.LAYER):  # our own timing loop, counted (real runs: next test)
+    def fake(wanted_now, layer=measure.LAYER, watch=None):  # our own timing loop, counted (real runs: next test)
         calls.append(wanted_now)
         return {kind: {label: {c: 1.0 + i for i, c in enumerate(wanted_now[kind])} for label in LABELS}
-                for kind in kernels.KINDS}
+                for kind in wanted_now}
 
     monkeypatch.setattr(measure, "time_candidates", fake)
     path = tmp_path / "choices.json"
@@ -132,10 +132,10 @@ def test_timings_are_cached_and_timed_again_only_when_they_do_not_cover(tmp_path
     assert timings["bf16"]["1"] == {c: 1.0 + i for i, c in enumerate(wanted["bf16"])}
     assert measure.measured_choices(p, path)[0] == choices and len(calls) == 1  # read back, not timed
     data = json.loads(path.read_text())
-    del data["int8"]["9-32"][wanted["int8"][0]]  # a candidate the file does not hold: timed again
+    del data["int8"]["9-32"][wanted["int8"][0]]  # a candidate the file does not hold: that kind timed again
     path.write_text(json.dumps(data))
     measure.measured_choices(p, path)
-    assert len(calls) == 2
+    assert len(calls) == 2 and list(calls[1]) == ["int8"]
     for bad in ("not json", json.dumps({"bf16": {"1": {"avx2": -1}}}), json.dumps([1, 2]),
                 json.dumps({k: {"1": {"torch": None}} for k in kernels.KINDS})):
         path.write_text(bad)  # a damaged file is timed again, never trusted
@@ -174,6 +174,184 @@ def test_every_candidate_runs_and_the_timing_loop_reports_each():
             assert all(v is None or v > 0 for v in times.values()) and any(v is not None for v in times.values())
 
 
+def static_row(p: Probe, kind: str) -> tuple:
+    return tuple(p.static(kind, r) for r in (1, *kernels.BUCKETS[1:], kernels.BUCKETS[-1] + 1))
+
+
+# --- a busy machine's timings are not kept -------------------------------------------------------
+
+def test_the_busy_detector_reads_the_cores_other_processes_took():
+    """What other processes' CPU time during a window means for a timing: the share of the cores its
+    threads run on that others took (beyond the cores those threads leave free)."""
+    from plugins.kernels.measure import BUSY_SHARE, contention
+
+    assert contention(0.0, 1.0, cpus=2, threads=2) == 0.0  # nothing else ran
+    assert contention(0.02, 1.0, cpus=2, threads=2) < BUSY_SHARE  # kernel threads, a shell
+    # one busy loop beside a 2-thread timing on 2 cores: 3 runnable threads, the loop gets ~2/3 of a core
+    assert contention(2 / 3, 1.0, cpus=2, threads=2) == pytest.approx(1 / 3) and 1 / 3 > BUSY_SHARE
+    assert contention(4.0, 4.0, cpus=2, threads=2) == 0.5  # two loops: half of each core
+    # a 1-thread timing (a tensor-parallel rank) shares nothing with one process on the other core...
+    assert contention(1.0, 1.0, cpus=2, threads=1) == 0.0
+    # ...but two loops and the timing's thread on 2 cores take a third of its core
+    assert contention(4 / 3, 1.0, cpus=2, threads=1) == pytest.approx(1 / 3)
+    assert contention(1.0, 1.0, cpus=1, threads=4) == 1.0  # more threads than cores: the cores count
+
+
+def fake_sample(others_cores: float):
+    """cpu_sample as if other processes used `others_cores` cores the whole time (0: quiet by
+    construction, whatever the machine does) beside this process's real CPU time."""
+    import resource
+    import time
+
+    start = time.perf_counter()
+
+    def sample():
+        now, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        own = usage.ru_utime + usage.ru_stime
+        return now, own + others_cores * (now - start), own
+    return sample
+
+
+def test_load_watch_reads_whole_windows_and_stops_at_a_busy_one():
+    import os
+
+    from plugins.kernels import measure
+
+    cpus, threads, window = len(os.sched_getaffinity(0)), torch.get_num_threads(), measure.WINDOW_S
+    clock = [0.0, 0.0]  # wall s, CPU s of other processes (this process: none)
+    watch = measure.LoadWatch(sample=lambda: (clock[0], clock[1], 0.0))
+    clock[0] = window / 2
+    watch.check()
+    assert watch.readings == []  # too short to read (ticks)
+    clock[0] = window
+    watch.check()
+    assert watch.readings == [0.0]
+    clock[:] = [window * 1.1, window * 0.1 * cpus]  # the timing's short rest, others on every core
+    watch.check(final=True)  # read with the window before it: under the threshold
+    assert watch.readings[-1] == round(measure.contention(window * 0.1 * cpus, window * 1.1, cpus, threads), 3)
+    clock[:] = [10.0, clock[1] + (10.0 - clock[0]) * cpus]  # others on every core all the time since
+    with pytest.raises(measure.Busy, match=r"other processes took 100% of the cores the timing ran on"):
+        watch.check()
+    assert measure.LoadWatch(sample=lambda: None).check(final=True) is None  # no /proc/stat: nothing read
+
+
+SMALL_LAYER = [(256, 512), (512, 256)]
+
+
+def small_timing(monkeypatch):
+    """measure.time_candidates on SMALL_LAYER, the watch measured_choices gives it kept."""
+    from plugins.kernels import measure
+
+    real, watches = measure.time_candidates, []
+
+    def timing(wanted, layer=None, watch=None):
+        watches.append(watch)
+        return real(wanted, layer=SMALL_LAYER, watch=watch)
+    monkeypatch.setattr(measure, "time_candidates", timing)
+    return watches
+
+
+def test_a_table_timed_beside_busy_loops_is_not_kept(tmp_path, monkeypatch, capsys):
+    """Busy loops (twice as many as this process may use CPUs, so they take at least half of every
+    core whatever the timing's thread count) run while the table is timed: the watch reads them, the
+    process gets the ladder's fixed choices, the file is not written, one line says so. More load from
+    anything else only reads busier."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from plugins.kernels import measure
+
+    p = kernels.decision()
+    watches = small_timing(monkeypatch)
+    path = tmp_path / "choices.json"
+    loops = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2 * len(os.sched_getaffinity(0)))]
+    try:
+        time.sleep(0.2)  # running
+        choices, timings = measure.measured_choices(p, path, kinds=("bf16", "int4"))
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert not path.exists()
+    assert choices == {kind: static_row(p, kind) for kind in ("bf16", "int4")}
+    assert all(timings[kind].startswith("not kept: other processes took") for kind in ("bf16", "int4"))
+    assert max(watches[0].readings) > measure.BUSY_SHARE
+    err = capsys.readouterr().err.splitlines()
+    assert len([line for line in err if "the timings are not kept (timed again on a later start)" in line]) == 1
+    probe = replace_choices(p, choices, timings)
+    assert probe.describe()["table"] == "static for bf16/int4: the machine was busy while timing"
+    assert [probe.bf16(r) for r in (1, 64, 4096)] == [p.static("bf16", r) for r in (1, 64, 4096)]
+
+
+def replace_choices(p: Probe, choices: dict, timings: dict) -> Probe:
+    from dataclasses import replace
+
+    return replace(p, choices=choices, timings=timings)
+
+
+def test_a_quiet_table_is_kept_and_a_busy_reading_is_not(tmp_path, monkeypatch):
+    """The same timing read through samples that are busy (other processes on every core all along)
+    or quiet (none ever ran) by construction, whatever this machine does meanwhile: busy is not kept,
+    and a later start times again; quiet is kept, and read back by the next process."""
+    import os
+
+    from plugins.kernels import measure
+
+    p = kernels.decision()
+    small_timing(monkeypatch)
+    path = tmp_path / "choices.json"
+    monkeypatch.setattr(measure, "cpu_sample", fake_sample(len(os.sched_getaffinity(0))))  # every core
+    choices, timings = measure.measured_choices(p, path, kinds=("bf16",))
+    assert not path.exists() and isinstance(timings["bf16"], str) and choices["bf16"] == static_row(p, "bf16")
+    monkeypatch.setattr(measure, "cpu_sample", fake_sample(0.0))
+    choices, timings = measure.measured_choices(p, path, kinds=("bf16",))
+    kept = json.loads(path.read_text())
+    assert {k for k, v in kept.items() if v} == {"bf16"} and timings["bf16"] == kept["bf16"]
+    assert choices == measure.choose(kept, {"bf16": p.candidates("bf16")})
+    monkeypatch.setattr(measure, "time_candidates", None)  # read back: not timed again
+    assert measure.measured_choices(p, path, kinds=("bf16",)) == (choices, timings)
+
+
+def test_remeasure_drops_the_cached_table_and_times_again(tmp_path, monkeypatch, capsys):
+    """`python -m plugins.kernels --remeasure [--kind K]`: the cached table of this machine (of K only)
+    is dropped and timed again; the other kinds' stay."""
+    import runpy
+    import sys
+
+    from plugins.kernels import measure
+
+    monkeypatch.setenv(kernels.TABLE_ENV, "measured")
+    monkeypatch.setattr(measure, "cache_dir", lambda: tmp_path)
+    kernels.reset()
+    p = kernels.decision()  # what the command's probe offers
+    planted = {kind: {label: {c: 999.0 for c in p.candidates(kind)} for label in LABELS} for kind in kernels.KINDS}
+    measure.table_path().write_text(json.dumps(planted))
+    calls = []
+
+    def fake(wanted, layer=None, watch=None):
+        calls.append(sorted(wanted))
+        return {kind: {label: {c: 1.0 + i for i, c in enumerate(wanted[kind])} for label in LABELS} for kind in wanted}
+    monkeypatch.setattr(measure, "time_candidates", fake)
+    try:
+        for argv, timed in ((["--kind", "int4"], []), (["--kind", "int4", "--remeasure"], [["int4"]]),
+                            (["--remeasure"], [["int4"], ["bf16", "int4", "int8"]])):
+            kernels.reset()
+            monkeypatch.setattr(sys, "argv", ["plugins.kernels", *argv])
+            runpy.run_module("plugins.kernels", run_name="__main__")
+            assert calls == timed
+            table = json.loads(measure.table_path().read_text())
+            out = json.loads(capsys.readouterr().out)
+            assert out["table"] == "measured"
+            assert (table["bf16"] == planted["bf16"]) == (len(timed) < 2)
+            assert (table["int4"] == planted["int4"]) == (not timed)
+        measure.forget()
+        assert not measure.table_path().exists()
+    finally:
+        kernels.reset()
+
+
 def test_table_mode_switch(monkeypatch):
     native = kernels.probe()
     try:
@@ -193,6 +371,9 @@ def test_table_mode_switch(monkeypatch):
     if kernels.table_mode() == "measured":
         assert native.choices is not None and set(native.timings) == set(kernels.KINDS)
         for kind in ("bf16", "int8"):  # the choice is the fastest timed, one row among row-invariant ones
+            if isinstance(native.timings[kind], str):  # timed on a busy machine: the fixed choices, not kept
+                assert native.choices[kind] == static_row(native, kind)
+                continue
             for i, label in enumerate(LABELS):
                 times = {c: t for c, t in native.timings[kind][label].items() if t is not None}
                 assert native.choices[kind][i] in times
@@ -219,7 +400,7 @@ def test_fp32_runs_time_nothing_and_the_first_bf16_linear_measures(monkeypatch, 
         kernels.linear(torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16())
         assert kernels._PROBE is not None and set(kernels._PROBE.choices) == set(kernels._PROBE.timings) == {"bf16"}
         described = kernels._PROBE.describe()
-        assert described["table"] == "measured"
+        assert described["table"] == "measured" or isinstance(kernels._PROBE.timings["bf16"], str)  # (busy here)
         assert set(described["bf16"].values()) <= set(kernels.decision().candidates("bf16"))
         assert described["int8"] == described["int4"] == "not measured (no linear of this kind ran)"
         q, scales = quantize_per_channel(torch.randn(32, 64).bfloat16())
