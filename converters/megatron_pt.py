@@ -77,7 +77,10 @@ def load_checkpoint_file(f: Path) -> dict:
             from megatron.core.safe_globals import register_safe_globals
 
             register_safe_globals()
-        with torch.serialization.safe_globals(SAFE_GLOBALS + PLAIN_GLOBALS):
+        # Only what is not registered already: leaving the context removes what it added, and it must not
+        # unregister what megatron-core (or the caller) registered for the whole process.
+        registered = torch.serialization.get_safe_globals()
+        with torch.serialization.safe_globals([g for g in SAFE_GLOBALS + PLAIN_GLOBALS if g not in registered]):
             ckpt = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConversionError(f"{f} is missing") from None

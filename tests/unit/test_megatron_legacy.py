@@ -233,6 +233,18 @@ def test_plain_safe_globals_are_megatron_cores_own():
     assert {_global_name(g) for g in PLAIN_GLOBALS} == upstream | {"torch._C.Generator"}
 
 
+def test_reading_leaves_the_process_wide_safe_globals_alone(ckpt_factory, tmp_path):
+    """megatron-core registers its safe globals for the whole process (Megatron-LM's torch.load relies on them);
+    reading a checkpoint must not unregister them on the way out."""
+    from megatron.core.safe_globals import register_safe_globals
+
+    convert(ckpt_factory("tiny"), tmp_path / "l", "hf", "megatron-legacy")
+    register_safe_globals()
+    before = set(torch.serialization.get_safe_globals())
+    megatron_legacy.load_checkpoint_file(stage_file(tmp_path / "l", 0, 0, 1))
+    assert set(torch.serialization.get_safe_globals()) == before
+
+
 class _CudaGenerator:
     """Pickles as Megatron-LM's graph-safe RNG tracker state of a GPU run does: torch.Generator's own
     __reduce__ (class, (device,), (seed, offset, state)), on device cuda:0."""
