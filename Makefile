@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 # DeepSpeed JIT-compiles its CPU shared-memory all-reduce with g++ + ninja; keep the build cache in the repo.
+# Setup compiles our CPU kernels there (every one this CPU runs, side by side), so no first run waits for g++.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM := false
@@ -19,6 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m plugins.kernels --build >/dev/null
 	@touch $(STAMP)
 
 # The whole suite on this CPU's own kernel rung (implementations chosen by timing them here), in
@@ -27,8 +29,9 @@ $(STAMP): requirements.txt pyproject.toml
 # choices (plugins/kernels), so one machine covers the paths of every CPU in the pool. The kernel
 # timings the suite reads (every kind at this machine's thread count; bf16 at one thread, as TP ranks
 # and replicas run) are taken first, while nothing else runs: timed beside the tests they would be
-# noise, and they are cached. The workers share the cores, so idle OpenMP threads sleep instead of
-# spinning (libgomp's default spin takes the core another worker's process waits for).
+# noise (and are not kept if something else did run: plugins/kernels/measure.py). The workers share
+# the cores, so idle OpenMP threads sleep instead of spinning (libgomp's default spin takes the core
+# another worker's process waits for).
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m plugins.kernels >/dev/null
