@@ -27,6 +27,7 @@ import torch
 from transformers import GPTBigCodeConfig
 
 from converters.errors import ConversionError
+from plugins.core.config import head_dim, kv_heads
 
 TENSOR = "tensor"
 
@@ -119,24 +120,39 @@ def _sized_groups():
         yield
 
 
+def _megatron_core():
+    """megatron.core's model classes, imported without its warnings about optional CUDA extensions."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|transformer_engine).*")
+        from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    return GPTModel, gpt_layer_specs, ProcessGroupCollection, TransformerConfig
+
+
 def gptmodel(config: GPTBigCodeConfig, padded_vocab: int, tp: int = 1, tp_rank: int = 0, n_layers: int | None = None,
              pre_process: bool = True, post_process: bool = True):
-    """megatron-core's GPTModel (local layer spec) for one TP rank and pipeline stage, on the meta device."""
-    from plugins.megatron.model import transformer_config  # first: plugins.megatron quiets megatron's import warnings
-
-    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    tc = transformer_config(config, tp)
-    tc.num_layers = config.n_layer if n_layers is None else n_layers
+    """megatron-core's GPTModel (local layer spec) for one TP rank and pipeline stage, on the meta device:
+    the architecture fields that decide its tensors' names and shapes (plugins/megatron/model.py maps the rest)."""
+    GPTModel, gpt_layer_specs, ProcessGroupCollection, TransformerConfig = _megatron_core()
+    tc = TransformerConfig(
+        num_layers=config.n_layer if n_layers is None else n_layers, hidden_size=config.n_embd,
+        num_attention_heads=config.n_head, num_query_groups=kv_heads(config), kv_channels=head_dim(config),
+        ffn_hidden_size=config.n_inner or 4 * config.n_embd, normalization="LayerNorm",
+        layernorm_epsilon=config.layer_norm_epsilon, add_bias_linear=True, add_qkv_bias=True,
+        tensor_model_parallel_size=tp, perform_initialization=False, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, sequence_parallel=False, cuda_graph_scope=[])
     one, tp_group = _Group(), _Group(tp, tp_rank)
-    groups = ProcessGroupCollection(tp=tp_group, pp=one, cp=one, embd=one, pos_embd=one, dp_cp=one)
+    pg = ProcessGroupCollection(tp=tp_group, pp=one, cp=one, embd=one, pos_embd=one, dp_cp=one)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="LayerNorm")
     with _sized_groups(), torch.device("meta"):
         model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=padded_vocab,
                          max_sequence_length=config.n_positions, pre_process=pre_process, post_process=post_process,
                          share_embeddings_and_output_weights=config.tie_word_embeddings,
-                         position_embedding_type="learned_absolute", pg_collection=groups)
+                         position_embedding_type="learned_absolute", pg_collection=pg)
     return model, spec
 
 

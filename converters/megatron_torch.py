@@ -110,11 +110,13 @@ def check_model_args(args: Namespace, where: str) -> None:
 
 def detect_spec(state: dict, where: str) -> str:
     """Which layer spec's names a state uses: TE's fused layer norms or the local spec's own."""
+    if not isinstance(state, dict):
+        raise ConversionError(f"{where}: 'model' is not a state dict")
     te = any(".linear_qkv.layer_norm_weight" in k for k in state)
     local = any(".input_layernorm.weight" in k for k in state)
     if te == local:
         sample = next(iter(state), "nothing")
-        hint = " (a legacy-model checkpoint? read it as megatron-legacy)" if sample.startswith("language_model/") else ""
+        hint = " (a legacy-model checkpoint? read it as megatron-legacy)" if sample.startswith("language_model") else ""
         raise ConversionError(f"{where}: not a megatron-core GPT model's state dict (found {sample!r}){hint}")
     return "te" if te else "local"
 
@@ -126,9 +128,10 @@ def read(src: str | Path, iteration: int | None = None, progress=None) -> tuple[
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ConversionError(f"{it_dir}: args.num_query_groups must be a positive integer, got {groups!r}")
+    first = rank_dir(it_dir, 0, 0, pp) / FILE
+    spec = detect_spec(load_checkpoint_file(first)["model"], str(first))  # a wrong format: told before merging stages
     config = config_from_args(args, groups, meta.get("hf_config"))
     states = read_stages(it_dir, args, tp, pp, meta.get("iteration", 0), progress, MCORE)
-    spec = detect_spec(states[0], str(it_dir))
     return config, megatron_to_hf(states, config, SPECS[spec], args.padded_vocab_size, progress=progress)
 
 

@@ -100,3 +100,73 @@ def load_like_megatron_core_019(sharded_state_dict: dict, checkpoint_dir: Path, 
 
     with mock.patch.object(serialization, "load_sharded_metadata", without_common_state):
         return load(sharded_state_dict, str(checkpoint_dir), common_strategy=CommonState(), strict=strict)
+
+
+# ---------------------------------------------------------------- Megatron-LM --ckpt-format torch files, loaded the
+# way its load_checkpoint loads them: each rank's file into that rank's GPTModel with load_state_dict(strict=True)
+
+def stage_model(config, tp_size: int, n_layers: int, pre_process: bool, post_process: bool, padded_vocab: int):
+    """A real GPTModel of one pipeline stage (local spec, megatron-core's own attention), as Megatron-LM's
+    gpt_builder builds it; parallel state must be set up (plugins.megatron.init_parallel)."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from plugins.megatron.model import layer_spec, transformer_config
+
+    tc = transformer_config(config, tp_size)
+    tc.num_layers = n_layers
+    return GPTModel(config=tc, transformer_layer_spec=layer_spec("megatron"), vocab_size=padded_vocab,
+                    max_sequence_length=config.n_positions, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=config.tie_word_embeddings,
+                    position_embedding_type="learned_absolute", parallel_output=False).to(torch.float32).eval()
+
+
+def load_rank_files(ckpt_dir, config, tp_rank: int = 0) -> list:
+    """This TP rank's stage models, each loaded strictly from its model_optim_rng.pt (weights-only, with
+    megatron-core's safe globals, as Megatron-LM's torch.load does by default)."""
+    import torch
+    from megatron.core.safe_globals import register_safe_globals
+
+    from converters.stages import FILE, layers_per_stage, rank_dir, read_layout
+
+    register_safe_globals()
+    it_dir, args, _ = read_layout(ckpt_dir)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    models = []
+    for p, n in enumerate(layers_per_stage(args, pp)):
+        ckpt = torch.load(rank_dir(it_dir, tp_rank, p, pp) / FILE, map_location="cpu", weights_only=True)
+        model = stage_model(config, tp, n, p == 0, p == pp - 1, args.padded_vocab_size)
+        model.load_state_dict(ckpt["model"], strict=True)
+        models.append(model)
+    return models
+
+
+def chained_logits(stages: list, input_ids, attention_mask, vocab_size: int):
+    """Pipeline stages run in turn in one process: each later stage takes the previous one's hidden states
+    (set_input_tensor, as Megatron-LM's schedules do), the last returns the (TP-gathered) logits."""
+    import torch
+
+    from plugins.core.tensors import position_ids
+    from plugins.megatron.decoder import causal_padding_mask
+
+    pos, mask = position_ids(attention_mask), causal_padding_mask(attention_mask)
+    hidden = None
+    with torch.inference_mode():
+        for s, model in enumerate(stages):
+            if s > 0:
+                model.set_input_tensor(hidden)
+            hidden = model(input_ids, pos, mask, runtime_gather_output=True)
+    return hidden[..., :vocab_size].float()
+
+
+class TorchFormatLoader(MegatronGPT):
+    """In each TP rank: load that rank's files of a megatron-torch checkpoint into fresh stage models."""
+
+    name = "megatron-torch-loader"
+
+    def torch_format_logits(self, ckpt_dir: str, input_ids, attention_mask):
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        stages = load_rank_files(ckpt_dir, self.config, rank)
+        return chained_logits(stages, input_ids, attention_mask, self.config.vocab_size)
