@@ -1,7 +1,8 @@
 # Two commands: `make compare` (the main job) and `make test`. Both set up .venv first.
 # `make peers` (opt-in) builds llama.cpp for the llama.cpp peer backend (scripts/build_llamacpp.sh).
 # `make clients` (opt-in) installs third-party clients the server tests run: lm-evaluation-harness in
-# .venv; the benchmark clients aiperf and guidellm each in a venv of its own (their pins clash with ours).
+# .venv; the benchmark clients aiperf and guidellm, and TGI's text-generation client, each in a venv of its own
+# (their pins clash with ours).
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -49,7 +50,7 @@ compare: setup
 peers: setup
 	PY=$(CURDIR)/$(PY) scripts/build_llamacpp.sh
 
-clients: $(VENV)/.clients-done .venv-aiperf/.done .venv-guidellm/.done
+clients: $(VENV)/.clients-done .venv-aiperf/.done .venv-guidellm/.done .venv-tgi/.done
 
 $(VENV)/.clients-done: requirements-clients.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-clients.txt
@@ -61,4 +62,4 @@ $(VENV)/.clients-done: requirements-clients.txt $(STAMP)
 	@touch $@
 
 clean:
-	rm -rf $(VENV) .venv-aiperf .venv-guidellm .cache results checkpoints
+	rm -rf $(VENV) .venv-aiperf .venv-guidellm .venv-tgi .cache results checkpoints

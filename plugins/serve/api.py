@@ -29,6 +29,9 @@ MAX_PROMPTS = 64    # prompts per request
 MAX_STOP = 64       # stop strings (OpenAI takes 4, vLLM has no limit; Continue sends 7)
 MAX_LOGPROBS = 20   # OpenAI's bound on `logprobs`
 MAX_BIAS = 1024     # logit_bias entries
+# prompt log-probabilities (echo) one answer holds: prompt tokens x n x (logprobs + 1); lm-eval's
+# loglikelihood requests (logprobs 1, one prompt of a 2048-token context) take 4096
+MAX_PROMPT_LOGPROBS = 1 << 18
 
 
 class Sampling(BaseModel):
@@ -142,23 +145,38 @@ def json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     return deepest
 
 
-def _valid_unicode(value, name: str) -> None:
-    """JSON may carry lone UTF-16 surrogates (\\ud800); no tokenizer takes them."""
-    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise RequestError(f"`{name}` is not valid Unicode (a lone surrogate)", name) from None
+# a JSON escape of a UTF-16 surrogate (one half of a pair, or alone): only then are the strings walked
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value) -> bool:
+    """Whether a string (key or value) in this JSON value holds a lone UTF-16 surrogate, which JSON can
+    carry (\\ud800) and no tokenizer, log line or answer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
 
 
 def read_json(raw: bytes) -> dict:
-    """The request body as a JSON object, or one RequestError saying why not."""
+    """The request body as a JSON object of valid Unicode, or one RequestError saying why not. Every
+    route reads its body here, so no text is checked again downstream."""
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8 (at byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
     except ValueError:  # an integer past Python's int-string limit (4300 digits)
         raise RequestError("the request body holds a number too long to read (over 4300 digits)") from None
@@ -166,24 +184,27 @@ def read_json(raw: bytes) -> dict:
         raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        for key, value in data.items():
+            if _lone_surrogate(key):
+                raise RequestError("a field name is not valid Unicode (a lone surrogate)")
+            if _lone_surrogate(value):
+                raise RequestError(f"`{key}` is not valid Unicode (a lone surrogate)", key)
     return data
 
 
-def validated(model: type[BaseModel], raw: bytes, texts=()):
+def validated(model: type[BaseModel], raw: bytes):
     """`raw` read as `model`; the first field error as one RequestError naming the field."""
     try:
-        req = model.model_validate(read_json(raw))
+        return model.model_validate(read_json(raw))
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) or len(first["loc"]) == 1)
         raise RequestError(f"`{param}`: {first['msg']}", param) from None
-    for name in texts:
-        _valid_unicode(getattr(req, name), name)
-    return req
 
 
 def parse_completion(raw: bytes) -> CompletionRequest:
-    req = validated(CompletionRequest, raw, ("model", "prompt", "suffix", "stop", "user"))
+    req = validated(CompletionRequest, raw)
     check_completion(req)
     return req
 

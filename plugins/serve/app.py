@@ -1,6 +1,6 @@
 """The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions) and
 `/v1/chat/completions` (plugins.serve.chat),
-TGI's `/generate` and `/generate_stream` (plugins.serve.tgi), Ollama's `/api/generate` and
+TGI's `/generate`, `/generate_stream`, `/` and `/info` (plugins.serve.tgi), Ollama's `/api/generate` and
 `/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` and the
 render endpoints (plugins.serve.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load` (requests held, for
 routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
@@ -23,6 +23,7 @@ from plugins.serve import ollama, render, tgi, tokens
 from plugins.serve.api import RequestError
 from plugins.serve.chat import create_chat_completion
 from plugins.serve.completions import create_completion
+from plugins.serve.http_limits import RefuseAmbiguousFraming
 from plugins.serve.served import Served
 
 __all__ = ["Served", "create_app"]
@@ -40,6 +41,7 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
               "failed", flush=True)
 
     app = FastAPI(title="mqa-plugins completions server", lifespan=lifespan)
+    app.add_middleware(RefuseAmbiguousFraming)
     sched = served.scheduler
 
     @app.exception_handler(RequestError)
@@ -97,25 +99,36 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
             return None
         return bytes(body)
 
-    def route(path: str, handler):
+    def route(path: str, handler, error_response=None):
+        """`error_response(RequestError)`: the route's own error body (TGI's), else OpenAI's."""
         async def endpoint(http: HTTPRequest):
             arrived = time.monotonic()  # TTFT counts reading, tokenization and queueing too
-            body = await read_body(http)
-            if body is None:  # nobody to answer
-                return Response(status_code=400)
-            return await handler(served, http, body, arrived)
+            try:
+                body = await read_body(http)
+                if body is None:  # nobody to answer
+                    return Response(status_code=400)
+                return await handler(served, http, body, arrived)
+            except RequestError as exc:
+                if error_response is None:
+                    raise
+                return error_response(exc)
 
         app.add_api_route(path, endpoint, methods=["POST"], name=path)
 
     route("/v1/completions", create_completion)
     route("/v1/chat/completions", create_chat_completion)
-    route("/generate", tgi.generate)
-    route("/generate_stream", tgi.generate_stream)
+    route("/", tgi.compat_generate, tgi.error_response)
+    route("/generate", tgi.generate, tgi.error_response)
+    route("/generate_stream", tgi.generate_stream, tgi.error_response)
     route("/api/generate", ollama.generate)
     route("/v1/completions/render", render.render_completion)
     route("/v1/chat/completions/render", render.render_chat)
     route("/tokenize", tokens.tokenize)
     route("/detokenize", tokens.detokenize)
+
+    @app.get("/info")
+    async def tgi_info():
+        return tgi.info(served, sched.slots + sched.max_waiting)
 
     @app.get("/api/tags")
     async def ollama_tags():

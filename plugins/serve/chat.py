@@ -129,7 +129,7 @@ async def chat_prompt(served: Served, req: ChatRequest) -> tuple[list[int], int]
 
 
 def parse_chat(body: bytes) -> ChatRequest:
-    return validated(ChatRequest, body, ("model", "stop", "user"))
+    return validated(ChatRequest, body)
 
 
 async def create_chat_completion(served: Served, http: HTTPRequest, body: bytes, arrived: float):

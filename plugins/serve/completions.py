@@ -13,8 +13,8 @@ import time
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from plugins.serve.api import (CompletionRequest, RequestError, Sampling, choice, completion_body, completion_id,
-                               first_seed, parse_completion, sampling, stop_list, usage)
+from plugins.serve.api import (MAX_PROMPT_LOGPROBS, CompletionRequest, RequestError, Sampling, choice, completion_body,
+                               completion_id, first_seed, parse_completion, sampling, stop_list, usage)
 from plugins.serve.served import Generation, GenerationFailed, Served, merged
 
 
@@ -97,6 +97,7 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
     new_tokens = max(req.new_tokens, 1)  # max_tokens 0 (echo): one token is made and dropped
     for ids in prompts:
         served.check_fits(ids, new_tokens)
+    check_prompt_logprobs(req, prompts)
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens
                                                                    is not False) for p in req.prompts()]
     gens = start_choices(served, req, prompts, new_tokens, arrived)
@@ -126,6 +127,20 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
     await collect(http, gens, lambda i, event: choices[i].take(event))
     return completion_body(cid, model, [choice(i, "".join(c.parts), c.finish, c.logprobs and c.logprobs.body)
                                         for i, c in enumerate(choices)], current_usage(), created)
+
+
+def check_prompt_logprobs(req: CompletionRequest, prompts: list[list[int]]) -> None:
+    """Bound what `echo` with `logprobs` costs before any of it is computed: each prompt token of each
+    choice comes with k + 1 log-probabilities, all in one answer."""
+    k = req.prompt_logprobs_k
+    if k is None:
+        return
+    entries = (req.n or 1) * sum(len(ids) for ids in prompts) * (k + 1)
+    if entries > MAX_PROMPT_LOGPROBS:
+        raise RequestError(f"`echo` with `logprobs` {k} over {sum(map(len, prompts))} prompt tokens x n {req.n or 1} "
+                           f"asks for {entries} prompt log-probabilities; this server answers at most "
+                           f"{MAX_PROMPT_LOGPROBS} per request (prompt tokens x n x (logprobs + 1)): send fewer "
+                           "prompts per request or a smaller `logprobs`", "logprobs")
 
 
 def sse_response(cid: str, chunks, final=None) -> StreamingResponse:

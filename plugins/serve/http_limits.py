@@ -1,4 +1,5 @@
-"""What one HTTP client may hold: uvicorn's h11 protocol with a read deadline and a connection cap.
+"""What one HTTP client may hold or slip past: uvicorn's h11 protocol with a read deadline and a
+connection cap, and requests framed two ways refused.
 
 uvicorn times out idle keep-alive connections only: a client that connects and sends nothing, or
 trickles its headers or body, holds its connection (and, once the headers are in, a handler) for
@@ -6,6 +7,11 @@ as long as it likes. `LimitedH11Protocol` (passed to uvicorn as its `http` proto
 extension point) closes a connection whose request is not complete `read_timeout` seconds after
 its first byte (or after the connection opened), and answers a connection over `max_connections`
 with one 503 (an OpenAI error body) before closing it.
+
+A request with both Content-Length and Transfer-Encoding may be read one way by a proxy in front and
+the other way here, the difference smuggling a second request onto the connection (RFC 9112 6.3:
+handle as an error and close). `RefuseAmbiguousFraming`, an ASGI middleware, answers 400 without
+reading the body and closes the connection, so nothing after it on that connection is served.
 """
 
 from __future__ import annotations
@@ -19,6 +25,27 @@ BUSY_BODY = json.dumps({"error": {"message": "server busy: too many open connect
                                   "type": "server_error", "param": None, "code": "overloaded"}}).encode()
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
         b"connection: close\r\ncontent-length: " + str(len(BUSY_BODY)).encode() + b"\r\n\r\n" + BUSY_BODY)
+
+
+AMBIGUOUS_BODY = json.dumps({"error": {
+    "message": "a request may not carry both Content-Length and Transfer-Encoding (RFC 9112 6.3)",
+    "type": "invalid_request_error", "param": None, "code": None}}).encode()
+
+
+class RefuseAmbiguousFraming:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                await send({"type": "http.response.start", "status": 400, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(AMBIGUOUS_BODY)).encode()),
+                    (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": AMBIGUOUS_BODY})
+                return
+        await self.app(scope, receive, send)
 
 
 class Limits:

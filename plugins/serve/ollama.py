@@ -50,7 +50,7 @@ def _now() -> str:
 
 
 async def generate(served: Served, http, body: bytes, arrived: float):
-    req = validated(GenerateRequest, body, ("model", "prompt", "suffix"))
+    req = validated(GenerateRequest, body)
     o = req.options
     served.note_ignored(list(req.model_extra or {}) + [f"options.{k}" for k in o.model_extra or {}])
     served.check_model(req.model)

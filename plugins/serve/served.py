@@ -20,6 +20,7 @@ from plugins.serving.request import BatchRequest
 from plugins.serving.scheduler import QueueFull, Request, Scheduler, ServerClosing
 
 MAX_BODY_BYTES = 4 << 20
+MAX_IGNORED_NAMES = 256  # unknown field names remembered as already logged
 
 
 def max_token_bytes(tokenizer) -> int | None:
@@ -72,11 +73,18 @@ class Served:
         return self.scheduler.capacity
 
     def note_ignored(self, names) -> None:
-        """Unknown request fields are ignored; each is named once in the log."""
-        for name in names:
-            if name not in self._ignored:
-                self._ignored.add(name)
-                print(f"ignoring request field {name!r} (not used by this server)", flush=True)
+        """Unknown request fields are ignored. A request naming fields not logged before gets one log line
+        (its first few names and a count); the names remembered are bounded, so a client sending
+        endless new names costs one short line per request and no memory."""
+        new = [name for name in dict.fromkeys(names) if name not in self._ignored]
+        if not new:
+            return
+        if len(self._ignored) < MAX_IGNORED_NAMES:
+            self._ignored.update(new[:MAX_IGNORED_NAMES - len(self._ignored)])
+        shown = ", ".join(repr(name[:40]) for name in new[:5])
+        more = f" and {len(new) - 5} more" if len(new) > 5 else ""
+        print(f"ignoring request field{'s' if len(new) > 1 else ''} {shown}{more} (not used by this server)",
+              flush=True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -92,11 +100,7 @@ class Served:
             if not prompt:
                 raise RequestError(f"`{name}` is empty", name)
             return list(prompt)
-        if self.max_prompt_bytes is not None:
-            size = len(prompt.encode()) + len((suffix or "").encode())
-            if size > self.max_prompt_bytes:
-                raise RequestError(f"`{name}` is {size} bytes: more than {self.capacity - 1} tokens of this "
-                                   f"model's context can hold (at most {self.max_prompt_bytes} bytes)", name)
+        self.check_text_bytes(prompt + (suffix or ""), name)
         try:
             ids = await run_in_threadpool(encode_prompt, self.tokenizer, prompt, suffix)
         except ValueError as e:
@@ -105,15 +109,24 @@ class Served:
             raise RequestError(f"`{name}` encodes to no tokens", name)
         return ids
 
+    def check_text_bytes(self, text: str, name: str) -> None:
+        """Refuse, before tokenizing, a text of more bytes than the context's tokens can stand for."""
+        if self.max_prompt_bytes is not None:
+            size = len(text.encode())
+            if size > self.max_prompt_bytes:
+                raise RequestError(f"`{name}` is {size} bytes: more than {self.capacity - 1} tokens of this "
+                                   f"model's context can hold (at most {self.max_prompt_bytes} bytes)", name)
+
     def check_fits(self, prompt: list[int], max_tokens: int, param: str = "max_tokens") -> None:
         if len(prompt) + max_tokens > self.capacity:
-            raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this model's "
-                               f"context of {self.capacity} tokens", param)
+            raise RequestError(f"prompt ({len(prompt)} tokens) + {param.split('.')[-1]} ({max_tokens}) exceeds this "
+                               f"model's context of {self.capacity} tokens", param)
 
     def start(self, params: list[BatchRequest], stop: list[str], arrived: float,
-              skip_special: bool = False) -> list["Generation"]:
+              skip_special: bool = False, include_stop: bool = False) -> list["Generation"]:
         """Queue generations together (RequestError 503 when the queue is full or the server closes).
-        The text leaves out EOS and the stop token ids; with `skip_special`, every special token."""
+        The text leaves out EOS and the stop token ids; with `skip_special`, every special token; it ends
+        before a stop string, or with it (`include_stop`)."""
         loop = asyncio.get_running_loop()
         entries = [Request(p, loop, arrived=arrived) for p in params]
         try:
@@ -124,7 +137,8 @@ class Served:
             raise RequestError(str(e)) from None
         special = self.special_ids if skip_special else set()
         return [Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=(
-            {self.eos} | set(entry.params.stop_token_ids) | special) - {None})) for entry in entries]
+            {self.eos} | set(entry.params.stop_token_ids) | special) - {None}, include_stop=include_stop))
+            for entry in entries]
 
     def request(self, **fields) -> BatchRequest:
         return BatchRequest(id=self.scheduler.new_id(), **fields)

@@ -48,8 +48,12 @@ class StreamText:
     a long completion costs the same per token as a short one.
     """
 
-    def __init__(self, tok: Tokenizer, stop: list[str] = (), skip_ids: set[int] = frozenset()):
+    def __init__(self, tok: Tokenizer, stop: list[str] = (), skip_ids: set[int] = frozenset(),
+                 include_stop: bool = False):
+        """`include_stop`: the text ends with the stop string that ended it (TGI's way), else before it
+        (OpenAI's)."""
         self.tok, self.stop, self.skip = tok, [s for s in stop if s], skip_ids
+        self.include_stop = include_stop
         self.ids: list[int] = []  # every token fed (the usage count)
         self._kept: list[int] = []  # those that make text (EOS and other skipped ids left out)
         self._prefix = self._read = 0  # _kept[_prefix:_read] decoded to the last complete text
@@ -74,10 +78,11 @@ class StreamText:
         self.ids.extend(ids)
         self._kept.extend(i for i in ids if i not in self.skip)
         self._advance()
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]  # released text holds none
-        if hits:
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, self.sent), s) for s in self.stop) if i >= 0]
+        if hits:  # (the released text holds none)
             self.stopped = True
-            return self._release(min(hits))
+            at, length = min(hits)
+            return self._release(at + length if self.include_stop else at)
         hold = max((self._partial_stop(s) for s in self.stop), default=0)
         return self._release(len(self.text) - hold)
 

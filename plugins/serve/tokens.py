@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from plugins.serve.api import check_token_ids, validated
+from plugins.serve.api import RequestError, check_token_ids, validated
 from plugins.serve.served import Served
 from plugins.serve.text import EOS_NAMES
 
@@ -26,8 +26,9 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(served: Served, http, body: bytes, arrived: float) -> dict:
-    req = validated(TokenizeRequest, body, ("model", "prompt"))
+    req = validated(TokenizeRequest, body)
     served.check_model(req.model)
+    served.check_text_bytes(req.prompt, "prompt")
     encoding = await run_in_threadpool(served.tokenizer.encode, req.prompt,
                                        add_special_tokens=req.add_special_tokens)
     return {"count": len(encoding.ids), "max_model_len": served.capacity, "tokens": encoding.ids,
@@ -35,10 +36,13 @@ async def tokenize(served: Served, http, body: bytes, arrived: float) -> dict:
 
 
 async def detokenize(served: Served, http, body: bytes, arrived: float) -> dict:
-    req = validated(DetokenizeRequest, body, ("model",))
+    req = validated(DetokenizeRequest, body)
     served.check_model(req.model)
+    if len(req.tokens) > served.capacity:
+        raise RequestError(f"`tokens` holds {len(req.tokens)} tokens: more than this model's context of "
+                           f"{served.capacity}", "tokens")
     check_token_ids(req.tokens, served.vocab_size, "tokens")
-    return {"prompt": served.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    return {"prompt": await run_in_threadpool(served.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
 
 def tokenizer_info(served: Served) -> dict:

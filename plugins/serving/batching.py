@@ -31,7 +31,7 @@ With MQA a slot of 2048 tokens of SantaCoder-1B is 25 MB, so dense slots cost li
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,8 @@ class _Prefill:
     kv: list[torch.Tensor] | None = None  # their K and V (pool layout, `done` columns; None while done == 0)
     logits: torch.Tensor | None = None    # of the last computed position
     started: bool = False
+    scores: torch.Tensor | None = None  # logits of every prompt position, scored once for all its requests
+    scored: dict = field(default_factory=dict)  # top-k -> the prompt's log-probabilities
 
     @property
     def prompt(self) -> list[int]:
@@ -231,20 +233,24 @@ class ContinuousBatch:
         r = request
         row = Row(r, Sampler(r.do_sample, r.temperature, r.top_k, r.top_p, r.seed, r.min_p), r.rules(), [])
         if r.prompt_logprobs is not None:
-            prompt_logprobs[r.id] = self._prompt_logprobs(r)
+            prompt_logprobs[r.id] = self._prompt_logprobs(fill, r.prompt_logprobs)
         token = row.choose(fill.logits, logprobs)
         if self._emit(row, token, out, finished):
             return
         self.pool.add(fill.kv, token, request.prompt)
         self.rows.append(row)
 
-    def _prompt_logprobs(self, request: BatchRequest) -> list:
+    def _prompt_logprobs(self, fill: _Prefill, k: int) -> list:
+        """The prompt's log-probabilities with top `k`: one scoring forward per prompt, shared by every
+        request (n choices) that asks."""
         if self.score is None:
             raise ConfigError("this engine cannot score prompts (no prompt log-probabilities)")
-        ids = self._ids(request.prompt)
-        logits = self.score(ids, torch.ones_like(ids))[0]
-        return [top_logprobs(logits[i - 1], token, request.prompt_logprobs)
-                for i, token in enumerate(request.prompt) if i > 0]
+        if fill.scores is None:
+            ids = self._ids(fill.prompt)
+            fill.scores = self.score(ids, torch.ones_like(ids))[0]
+        if k not in fill.scored:
+            fill.scored[k] = [top_logprobs(fill.scores[i - 1], token, k) for i, token in enumerate(fill.prompt) if i > 0]
+        return fill.scored[k]
 
     def _decode(self, out: dict, finished: dict, failed: dict, logprobs: dict, chunks=None) -> list | None:
         """One decode step of every row; with `chunks`, in one forward with those prompt chunks

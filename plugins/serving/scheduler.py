@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from plugins.core.config import ConfigError
 from plugins.serving.batching import open_batch
 from plugins.serving.request import BatchRequest, check_request
 from plugins.serving.step_budget import AdaptiveTokenBudget
@@ -182,6 +183,10 @@ class Scheduler:
         the slots allow, so they share its prefill."""
         for request in requests:
             check_request(request.params, self.capacity)  # ConfigError: the caller's 400, before any queueing
+        if len(requests) > self.slots + self.max_waiting:  # would never be queued: retrying cannot help
+            raise ConfigError(f"{len(requests)} generations (prompts x n) in one request can never be queued "
+                              f"together: this server runs {self.slots} and queues {self.max_waiting} "
+                              f"(--max-waiting) at most")
         with self._cond:
             if self._closing or self.error:
                 raise ServerClosing("the server is shutting down" if self._closing else f"engine failed: {self.error}")
@@ -201,6 +206,7 @@ class Scheduler:
                     self._waiting.remove(req)
                     self.metrics.waiting.set(len(self._waiting))
                     self.metrics.finished.labels("cancelled").inc()
+                    req.put(("done", "cancelled"))  # whoever awaits its events ends now
                     return
             if request_id in self._running:
                 self._drop.add(request_id)

@@ -137,6 +137,23 @@ def test_prompt_logprobs_and_n_rows_sharing_one_prefill(hf, tokenizer):
         assert [t for t, _ in top] == expected[i].topk(2).indices.tolist()
 
 
+def test_a_prompt_is_scored_once_for_all_the_choices_that_ask(hf, tokenizer):
+    """n choices with echo + logprobs: one scoring forward, the same log-probabilities for each (before,
+    each choice scored the prompt again: n = 64 cost 64 forwards in one engine step)."""
+    prompt = prompt_token_ids(tokenizer, 15, 5)
+    batch = open_batch(hf, 4, 128)
+    calls = []
+    score = batch.score
+    batch.score = lambda *a: calls.append(1) or score(*a)
+    requests = [BatchRequest(id=20 + i, prompt=prompt, max_new_tokens=2, prompt_logprobs=k)
+                for i, k in enumerate((3, 3, 3, 1))]
+    result = batch.step(requests)
+    assert len(calls) == 1
+    scored = result["prompt_logprobs"]
+    assert scored[20] == scored[21] == scored[22] and len(scored[20]) == len(prompt) - 1
+    assert [(v, top[:1]) for v, top in scored[20]] == [(v, top) for v, top in scored[23]]  # top 1 of the same scores
+
+
 def test_rules_refuse_bad_values():
     from plugins.core.config import ConfigError
     with pytest.raises(ConfigError, match="repetition_penalty must be > 0"):
