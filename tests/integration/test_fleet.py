@@ -193,8 +193,16 @@ def test_a_killed_replica_fails_its_streams_alone_and_the_router_routes_around_i
     assert list(ends.values()).count("done") == 4 - running[victim], (running, ends)
     survivor = fleet.workers[1 - victim]
     before = counters([survivor])["mqa_prompt_tokens_total"]
-    time.sleep(2)  # the router's health check (every second here) has seen it go
-    for i in range(6):
+    # the router learns of the death from its health check (every second here): until then a request
+    # may still be sent to the dead replica and fail; how soon depends on the machine's load, so wait
+    # for the first answer instead of a fixed time
+    deadline = time.monotonic() + 60
+    while httpx2.post(fleet.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt_token_ids(tokenizer, 10, 70), "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}).status_code != 200:
+        assert time.monotonic() < deadline, "the router kept routing to the dead replica"
+        time.sleep(0.5)
+    for i in range(1, 6):
         complete(fleet.url, model, prompt_token_ids(tokenizer, 10, 70 + i), 3)
     assert counters([survivor])["mqa_prompt_tokens_total"] == before + 60
     assert f"replica {victim} ({fleet.workers[victim]}) exited with code -9" in fleet.output()

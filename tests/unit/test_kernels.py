@@ -6,6 +6,8 @@ Tests marked `kernels` are run by `make test` once natively and once with every 
 machines too. The kernel tests themselves run every kernel this CPU can execute, whatever the rung.
 """
 
+import os
+import shutil
 
 import pytest
 import torch
@@ -25,10 +27,22 @@ per_kernel = pytest.mark.parametrize("name", RUNNABLE or [pytest.param("none", m
 
 
 def kernel(name):
+    """Kernel `name` built and loaded. This CPU runs it (RUNNABLE) and `make setup` installs g++, so a
+    build that fails is this test's failure, not a skip: a broken kernel source must not leave the
+    suite green. Only a machine without a C++ compiler skips."""
     module = kernels.build(name)
     if module is None:
-        pytest.skip(f"the {name} kernel did not build here (see the warning)")
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            pytest.skip(f"no C++ compiler here to build the {name} kernel")
+        pytest.fail(f"the {name} kernel did not build (the warning above says why)")
     return module
+
+
+def test_a_kernel_that_does_not_build_fails_its_tests(monkeypatch):
+    monkeypatch.setitem(kernels.KERNEL_ISA, "missing", ((), []))  # its source file does not exist
+    with pytest.warns(UserWarning, match="missing decode kernel unavailable"):
+        with pytest.raises(pytest.fail.Exception, match="did not build"):
+            kernel("missing")
 
 
 def bf16_linear(name, x, w, bias, gelu):

@@ -6,6 +6,7 @@ with every lower rung forced."""
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kernels import kernel
 
 from plugins import kernels
 from plugins.core.tensors import position_ids
@@ -16,13 +17,6 @@ pytestmark = pytest.mark.kernels
 
 RUNNABLE = [name for name in kernels.KERNEL_ISA if kernels.supported(name)]
 ATTENTION = [name for name in RUNNABLE if name in kernels.TILED]
-
-
-def kernel(name):
-    module = kernels.build(name)
-    if module is None:
-        pytest.skip(f"the {name} kernel did not build here (see the warning)")
-    return module
 
 
 def skip_if_none(names):
