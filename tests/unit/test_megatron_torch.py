@@ -3,6 +3,7 @@ TP x PP round trips, each rank's file loaded strictly into a real GPTModel (its 
 against a GPTModel megatron-core sizes at TP=2, the Transformer Engine names, and a file as Megatron-LM's
 training writes it (TP=2 ranks in real processes: tests/integration/test_megatron_torch_tp.py)."""
 
+import os
 import random
 from argparse import Namespace
 from collections import OrderedDict
@@ -212,3 +213,47 @@ def test_cli_writes_te_names_and_notes_that_legacy_is_gone(ckpt_factory, tmp_pat
     assert main(["--from", "hf", "--to", "megatron-legacy", "--quiet", str(src), str(tmp_path / "l")]) == 0
     err = capsys.readouterr().err
     assert err.count("current Megatron-LM cannot load it (use --to megatron-torch or --to megatron)") == 1
+
+
+def _edit(f, fn):
+    ck = torch.load(f, weights_only=False)  # our own file, edited as a user would
+    fn(ck["model"])
+    torch.save(ck, f)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated", r"cannot read .*mp_rank_01"),
+    ("missing", r"TP rank 1: missing 1 tensor.*decoder.layers.0.mlp.linear_fc1.weight"),
+    ("extra", r"TP rank 0: 1 unexpected tensor.*rotary_pos_emb.inv_freq"),
+    ("shape", r"TP rank 1: decoder.layers.1.self_attention.linear_proj.weight has shape \(64, 64\), expected \(64, 32\)"),
+    ("differs", r"decoder.layers.1.pre_mlp_layernorm.weight: replicated tensor differs between TP ranks 0 and 1"),
+    ("pickle", r"(refus|Unsupported global|not an allowed global).*(posix|os).system"),
+])
+def test_broken_files_are_one_clear_error(damage, message, ckpt_factory, tmp_path):
+    convert(ckpt_factory("tiny"), tmp_path / "t", "hf", "megatron-torch", tp_size=2)
+    f0, f1 = stage_file(tmp_path / "t", 0, 0, 1), stage_file(tmp_path / "t", 1, 0, 1)
+    marker = tmp_path / "pwned"
+    if damage == "truncated":
+        f1.write_bytes(f1.read_bytes()[:1000])
+    elif damage == "missing":
+        _edit(f1, lambda m: m.pop("decoder.layers.0.mlp.linear_fc1.weight"))
+    elif damage == "extra":
+        _edit(f0, lambda m: m.update({"decoder.rotary_pos_emb.inv_freq": torch.ones(8)}))
+    elif damage == "shape":
+        _edit(f1, lambda m: m.update({"decoder.layers.1.self_attention.linear_proj.weight": torch.ones(64, 64)}))
+    elif damage == "differs":
+        _edit(f1, lambda m: m["decoder.layers.1.pre_mlp_layernorm.weight"].add_(1.0))
+    elif damage == "pickle":
+        _edit(f1, lambda m: m.update({"decoder.layers.0.self_attention.linear_qkv._extra_state": _Payload(marker)}))
+    with pytest.raises(ConversionError, match=message) as e:
+        convert(tmp_path / "t", tmp_path / "hf", "megatron-torch", "hf")
+    assert "\n" not in str(e.value)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
