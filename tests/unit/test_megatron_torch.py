@@ -17,7 +17,8 @@ from megatron_upstream import chained_logits, load_rank_files
 from safetensors.torch import load_file
 
 from converters import consumers, convert, megatron_torch
-from converters.mapping import ConversionError, hf_to_mcore
+from converters import hf as hf_format
+from converters.mapping import ConversionError, hf_to_mcore, pool_kv_heads
 from converters.stages import FILE, rank_dir
 from plugins.core.checkpoint import load_hf_model
 from plugins.core.config import kv_heads, load_model_config
@@ -79,6 +80,8 @@ def test_tp2_pp2_round_trip_is_bit_exact(name, spec, ckpt_factory, tmp_path):
     assert torch.equal(model["output_layer.weight"],  # the tied head's copy: the first stage's embedding shard
                        load(stage_file(tmp_path / "t", 1, 0, 2))["model"]["embedding.word_embeddings.weight"])
     extra = model["decoder.layers.0.mlp.linear_fc2._extra_state"]
+    config = load_hf_model(src).config  # the keys of that rank and stage's model (TE: derived, see consumers.py)
+    assert model.keys() == consumers.mcore_state_keys(config, 49152, spec, 2, 1, 2, False, True).keys()
     if spec == "te":  # what Transformer Engine modules save without FP8
         assert extra.dtype == torch.uint8 and extra.numel() == 0 and "input_layernorm" not in str(list(model))
         assert model["decoder.layers.0.self_attention.core_attention._extra_state"].numel() == 0
@@ -148,6 +151,18 @@ def test_tp2_shards_are_what_gptmodel_at_tp2_holds(name, ckpt_factory, tmp_path)
         assert model["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] == (
             (4 + 2 * kv_heads(config)) * 16 // 2)  # megatron-core splits the fused QKV evenly
         assert all(torch.equal(model[k], t) for k, t in split[r].items())
+
+
+def test_gqa_with_fewer_groups_than_ranks_round_trips(ckpt_factory, tmp_path):
+    """MHA pooled to 2 KV groups at TP=4 x PP=2: megatron-core shards the fused QKV evenly, no duplication."""
+    src = ckpt_factory("tiny-mha", n_head=8, n_layer=2)
+    convert(src, tmp_path / "t", "hf", "megatron-torch", tp_size=4, pp_size=2, kv_heads=2, layer_spec="te")
+    args = load(stage_file(tmp_path / "t", 3, 1, 2))["args"]
+    assert args.num_query_groups == 2 and args.group_query_attention
+    config, hub = megatron_torch.read(tmp_path / "t")
+    config0, hub0 = hf_format.read(src)
+    _, hub0 = pool_kv_heads(hub0, config0, 2)
+    assert kv_heads(config) == 2 and hub.keys() == hub0.keys() and all(torch.equal(hub[k], hub0[k]) for k in hub0)
 
 
 def test_training_checkpoint_as_megatron_lm_writes_it(ckpt_factory, tmp_path):
