@@ -18,9 +18,11 @@ Timings taken while other processes compete for the cores are wrong, and wrong i
 choice (a 2-thread kernel whose second thread waits for a core is slowed several times, a 1-thread one
 is not), so the load is read while timing (`LoadWatch`): the CPU time other processes used on our cores
 (/proc/stat, the hypervisor's steal included, less our own from getrusage) over each window of at least
-WINDOW_S. At the first window where they took more than BUSY_SHARE of the cores the timing runs on, the
-timing stops: this process runs the ladder's fixed choices and nothing is kept, so a later start times
-again. `forget` drops a cached table (`python -m plugins.kernels --remeasure`).
+WINDOW_S. A window where they took more than BUSY_SHARE of the cores the timing runs on is busy: its
+races run again after a pause (a moment's load passes); past RETRIES busy windows the timing stops,
+this process runs the ladder's fixed choices and nothing is kept, so a later start times again (not
+within BUSY_HOLD_S: ranks and test processes started beside it would each pay a timing that stops).
+`forget` drops a cached table (`python -m plugins.kernels --remeasure`).
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ FORMAT = 2          # bump when the file's meaning changes
 # int8 implementations whose rows are computed as each row alone (exact integer sums)
 INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
 # Other processes taking more than this share of the cores the timing runs on make it a busy machine's
-# table (not kept). Quiet reads ~0, one busy loop beside a 2-thread timing on 2 cores ~0.5 (docs/kernels.md).
+# table. On a 2-core Xeon timing with 2 threads, quiet windows read 0-0.04, beside one busy loop 0.30-0.42.
 BUSY_SHARE = 0.15
 WINDOW_S = 0.5  # the load is read over windows at least this long: /proc/stat counts whole ticks (10 ms)
+RETRIES = 2  # busy windows a timing outlives (their races run again after a pause); the next one stops it
+RETRY_PAUSE_S = 1.0
+BUSY_HOLD_S = 60.0  # after a timing stopped for load, processes that would time take the fixed choices
 
 
 def cpu_model() -> str:
@@ -89,38 +94,55 @@ def measured_choices(p: Probe, path: Path | None = None, kinds=KINDS) -> tuple[d
     """(choices: kind -> implementation per bucket, timings: kind -> bucket label -> {impl: ms}) for the
     candidates `p` offers for `kinds`, from the cache file for the kinds it holds, the others timed now
     (and cached beside them). A timing the machine's load spoiled (`LoadWatch`) is not kept: its kinds
-    get the ladder's fixed choices, and a string saying why instead of timings."""
+    get the ladder's fixed choices, and a string saying why instead of timings; for BUSY_HOLD_S after,
+    processes that would time (the next rank, a test's next process) take the fixed choices at once."""
     path = path or table_path()
     wanted = {kind: p.candidates(kind) for kind in kinds}
     timings = _read(path)
-    busy = None
+    busy = None  # what stopped a timing for load, if one did
     if not _covers(timings, wanted):
+        from plugins.core.console import announce
+
         with _locked(path.with_suffix(".lock")):
             timings = _read(path)  # another process may have timed them meanwhile
             todo = {k: c for k, c in wanted.items() if not _covers(timings, {k: c})}
-            if todo:
-                from plugins.core.console import announce
-
+            busy = _busy_note(path) if todo else None
+            if todo and not busy:
                 announce(f"timing the CPU {'/'.join(todo)} linear implementations on this machine (once per machine, "
                          "kind and thread count, ~20-60 s)...")
                 try:
                     timings = _merge(timings, time_candidates(todo, watch=LoadWatch()))
                     _write(path, timings)
                 except Busy as exc:
-                    busy = {k: f"not kept: {exc}" for k in todo}
-                    announce(f"{exc} while the CPU linears were timed: this process runs the fixed choices "
-                             "(PLUGINS_KERNELS_TABLE=static), and the timings are not kept (timed again on a later start)")
-    timed = {k: c for k, c in wanted.items() if not busy or k not in busy}
+                    busy = str(exc)
+                    _write(path.with_suffix(".busy"), {"at": time.time(), "note": busy})
+        if busy:
+            announce(f"timing the CPU linears: {busy}; this process runs the fixed choices "
+                     f"(PLUGINS_KERNELS_TABLE=static), and the timings are not kept (timed again by a start "
+                     f"{BUSY_HOLD_S:.0f} s on)")
+    spoiled = {k: f"not kept: {busy}" for k in todo} if busy else {}
+    timed = {k: c for k, c in wanted.items() if k not in spoiled}
     rows = (1, *BUCKETS[1:], BUCKETS[-1] + 1)  # a row count per bucket
-    return ({**choose(timings, timed), **{k: tuple(p.static(k, r) for r in rows) for k in busy or ()}},
-            {**{k: {b: {i: timings[k][b][i] for i in timed[k]} for b in timings[k]} for k in timed}, **(busy or {})})
+    return ({**choose(timings, timed), **{k: tuple(p.static(k, r) for r in rows) for k in spoiled}},
+            {**{k: {b: {i: timings[k][b][i] for i in timed[k]} for b in timings[k]} for k in timed}, **spoiled})
+
+
+def _busy_note(path: Path) -> str | None:
+    """What the timing that stopped for load within BUSY_HOLD_S read, if one did."""
+    try:
+        note = json.loads(path.with_suffix(".busy").read_text())
+        ago = time.time() - note["at"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return f"{note['note']}, {ago:.0f} s ago" if 0 <= ago < BUSY_HOLD_S else None
 
 
 def forget(kinds=KINDS, path: Path | None = None) -> None:
-    """Drop `kinds` from the cached timings (`python -m plugins.kernels --remeasure`): the next probe
-    times them again."""
+    """Drop `kinds` from the cached timings (`python -m plugins.kernels --remeasure`), and a recent
+    timing's busy note: the next probe times them again."""
     path = path or table_path()
     with _locked(path.with_suffix(".lock")):
+        path.with_suffix(".busy").unlink(missing_ok=True)
         kept = {k: v for k, v in (_read(path) or {}).items() if k in KINDS and k not in kinds}
         if kept:
             _write(path, kept)
@@ -146,16 +168,29 @@ def choose(timings: dict, wanted: dict) -> dict:
 
 def time_candidates(wanted: dict, layer=LAYER, watch: LoadWatch | None = None) -> dict:
     """kind (of `wanted`) -> bucket label -> {impl: best ms of one pass over `layer`'s linears}. With
-    `watch`, the load is read after the setup and each race, and a busy window raises `Busy`."""
-    check = watch.check if watch else lambda final=False: None  # read often: a busy machine stops early
+    `watch`, the load is read as it goes: the races of a busy window run again after a pause, and the
+    busy window past RETRIES (the setup's count too: a busy machine stops early) raises `Busy`."""
+    busy_windows = 0
+
+    def window(final: bool = False) -> str | None:
+        """None while no window is complete, else 'quiet' or 'busy'."""
+        nonlocal busy_windows
+        share = watch.read(final) if watch else None
+        if share is None or share <= watch.threshold:
+            return None if share is None else "quiet"
+        busy_windows += 1
+        if busy_windows > RETRIES:
+            raise Busy(f"{watch.note} (busy windows: {busy_windows})")
+        return "busy"
+
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for n, k in layer]
     biases = [torch.randn(n, generator=gen).bfloat16() for n, _ in layer]
-    check()
+    window()
     int8 = [(q, s.bfloat16()) for q, s in map(quantize_per_channel, weights)] if "int8" in wanted else []
     int4 = {}
     for impl in wanted.get("int4", ()):
-        check()
+        window()
         int4[impl] = [quantize_int4(w.float(), layout=impl) for w in weights]
     packs = PackedWeights()
 
@@ -168,28 +203,43 @@ def time_candidates(wanted: dict, layer=LAYER, watch: LoadWatch | None = None) -
                             for (q, s), b in zip(pick(int8), pick(biases))]
         return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(pick(int4[impl]), pick(biases))]
 
-    x = {k: torch.randn(1, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+    def inputs(rows):
+        return {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+
+    x = inputs(1)
     for kind in wanted:  # packs made (once per weight, as in a model) before anything is timed
         for impl in wanted[kind]:
-            check()
+            window()
             runner(kind, impl, x)()
-    check()
+    if watch:
+        watch.restart()  # what ran during the setup touches no timing
     out = {kind: {} for kind in wanted}
     dropped = {kind: set() for kind in wanted}
     last = len(TIMED_ROWS) - 1
-    for i, rows in enumerate(TIMED_ROWS):
-        x = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
+    races = [(i, kind) for i in range(len(TIMED_ROWS)) for kind in wanted]
+    j = start = 0  # the next race; the first of the window being read
+    kept = {kind: set() for kind in wanted}  # `dropped` as that window began
+    while j < len(races):
+        i, kind = races[j]
+        rows = TIMED_ROWS[i]
+        if len(next(iter(x.values()))) != rows:
+            x = inputs(rows)
         # the last bucket on the MLP's two linears (80 % of the FLOPs; their shapes favour different paths)
-        only = sorted(range(len(layer)), key=lambda j: -layer[j][0] * layer[j][1])[:2] if i == last else None
-        for kind in wanted:
-            live = {impl: runner(kind, impl, x, only) for impl in wanted[kind] if impl not in dropped[kind]}
-            times = _race(live)
-            check()
-            best = min(times.values())
-            if rows >= DROP_FROM_ROWS:  # compute-bound from here: a fixed cost (a conversion) no longer hides
-                dropped[kind] |= {impl for impl, ms in times.items() if ms > GIVE_UP * best}
-            out[kind][bucket_label(i)] = {impl: times.get(impl) for impl in wanted[kind]}
-    check(final=True)
+        only = sorted(range(len(layer)), key=lambda n: -layer[n][0] * layer[n][1])[:2] if i == last else None
+        live = {impl: runner(kind, impl, x, only) for impl in wanted[kind] if impl not in dropped[kind]}
+        times = _race(live)
+        best = min(times.values())
+        if rows >= DROP_FROM_ROWS:  # compute-bound from here: a fixed cost (a conversion) no longer hides
+            dropped[kind] |= {impl for impl, ms in times.items() if ms > GIVE_UP * best}
+        out[kind][bucket_label(i)] = {impl: times.get(impl) for impl in wanted[kind]}
+        j += 1
+        state = window(final=j == len(races))
+        if state == "quiet":
+            start, kept = j, {k: set(v) for k, v in dropped.items()}
+        elif state == "busy":  # a moment's load: that window's races again, once it may have passed
+            j, dropped = start, {k: set(v) for k, v in kept.items()}
+            time.sleep(RETRY_PAUSE_S)
+            watch.restart()
     return out
 
 
@@ -245,31 +295,33 @@ def contention(others_s: float, wall_s: float, cpus: int, threads: int) -> float
 
 
 class LoadWatch:
-    """Reads `contention` over each window of at least WINDOW_S while a timing runs; `check()` raises
-    `Busy` at the first window above `threshold`. `readings` holds each window's share."""
+    """Reads `contention` over windows of at least WINDOW_S while a timing runs (`read`); `readings`
+    holds each window's share, `note` says what the last one read."""
 
     def __init__(self, threshold: float = BUSY_SHARE, sample=None):
         self.sample, self.threshold = sample or cpu_sample, threshold
-        self.mark = self.last = self.sample()
         self.readings: list[float] = []
+        self.note = ""
+        self.restart()
 
-    def check(self, final: bool = False) -> None:
+    def restart(self) -> None:
+        """The next window begins now."""
+        self.mark = self.sample()
+
+    def read(self, final: bool = False) -> float | None:
+        """The share of the window since the last reading (or `restart`), or None while it is shorter
+        than WINDOW_S; the `final` one is read from a fifth of that (a shorter rest changes nothing)."""
         now = self.sample()
-        if now is None or self.mark is None:
-            return
-        if now[0] - self.mark[0] < WINDOW_S:
-            if not final:
-                return
-            self.mark = self.last  # too short to read alone: read with the window before (or from the start)
-        cpus = len(os.sched_getaffinity(0))
-        wall = max(now[0] - self.mark[0], 1e-6)
+        if now is None or self.mark is None or now[0] - self.mark[0] < (WINDOW_S / 5 if final else WINDOW_S):
+            return None
+        cpus, wall = len(os.sched_getaffinity(0)), now[0] - self.mark[0]
         others = (now[1] - self.mark[1]) - (now[2] - self.mark[2])
         share = contention(others, wall, cpus, torch.get_num_threads())
+        self.mark = now
         self.readings.append(round(share, 3))
-        self.last, self.mark = self.mark, now
-        if share > self.threshold:
-            raise Busy(f"other processes took {share:.0%} of the cores the timing ran on "
-                       f"({others / wall:.2f} of {cpus} CPUs over {wall:.1f} s)")
+        self.note = (f"other processes took {share:.0%} of the cores the timing ran on "
+                     f"({max(others, 0) / wall:.2f} of {cpus} CPUs over {wall:.1f} s)")
+        return share
 
 
 def _covers(timings: dict | None, wanted: dict) -> bool:
