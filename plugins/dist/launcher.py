@@ -92,6 +92,9 @@ def crash_site(log: str) -> str:
 class RemoteBackend:
     """A `Backend` whose ranks run in worker processes; results are the front rank's (plugins.dist.worker)."""
 
+    runs_elsewhere = True
+    speculative = draft = None  # a model runner opens in the ranks, which hold these
+
     def __init__(self, name: str, path, dtype="float32", tp_size: int = 2, method: str = "from_hf",
                  launcher: str = "torchrun", env: dict | None = None, timeout_s: float = 600.0, nnodes: int = 1,
                  rdzv_endpoint: str | None = None, **options):
@@ -233,11 +236,9 @@ class RemoteBackend:
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         return self.call("linear_paths", batch, prompt_len)
 
-    def open_batch(self, slots: int, capacity: int, prefix_cache_bytes: int = 0,
-                   max_batched_tokens: int | None = None) -> "RemoteBatch":
-        """A continuous batch on every rank (each holds its share of the KV pool); rank 0 answers."""
-        self.call("__open_batch__", slots, capacity, prefix_cache_bytes, max_batched_tokens)
-        return RemoteBatch(self)
+    def open_runner(self, slots: int, capacity: int) -> "RemoteRunner":
+        """A model runner on every rank (each holds its share of the KV pool); rank 0 answers."""
+        return RemoteRunner(self, self.call("__open_runner__", slots, capacity))
 
     def logits(self, input_ids, attention_mask):
         check_inputs(self.config, input_ids, attention_mask)
@@ -282,17 +283,14 @@ class RemoteBackend:
         self.close()
 
 
-class RemoteBatch:
-    """The continuous batch of a `RemoteBackend`: each step runs on every rank."""
+class RemoteRunner:
+    """The model runner of a `RemoteBackend`: every rank executes each step; rank 0 answers."""
 
-    def __init__(self, remote: RemoteBackend):
-        self._remote = remote
+    def __init__(self, remote: RemoteBackend, info):
+        self._remote, self.info = remote, info
 
-    def step(self, admit=(), release=(), chunk_tokens: int | None = None) -> dict:
-        return self._remote.call("__batch_step__", list(admit), list(release), chunk_tokens)
-
-    def state(self) -> dict:
-        return self._remote.call("__batch_state__")
+    def execute(self, step):
+        return self._remote.call("__runner_execute__", step)
 
 
 def _worker_env(local_ranks: int, tmp_dir: Path, timeout_s: float) -> dict:

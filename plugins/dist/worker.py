@@ -24,7 +24,7 @@ import torch
 from plugins.core.config import ConfigError
 from plugins.core.tensors import process_group_backend, use_local_gpu
 from plugins.engine.registry import backend_class
-from plugins.serving.batching import open_batch
+from plugins.serving.runner import open_runner
 
 PR_SET_PDEATHSIG = 1
 ADDRESS_ENV = "PLUGINS_LAUNCHER_ADDRESS"
@@ -118,7 +118,7 @@ def _serve(rank: int, world: int, group: bool, pids: list, front: int) -> None:
     import torch.distributed as dist
 
     conn = Client(os.environ[ADDRESS_ENV], family="AF_UNIX") if rank == front else None
-    backend = batch = None
+    backend = runner = None
     while True:
         request = [recv(conn) if rank == front else None]
         if group:
@@ -131,14 +131,12 @@ def _serve(rank: int, world: int, group: bool, pids: list, front: int) -> None:
             if method == "__build__":
                 backend, result = _build(*args, **kwargs)
                 result["pids"] = pids
-            elif method == "__open_batch__":
-                batch = None  # the old pool is freed before the new one is allocated
-                batch = open_batch(backend, *args)
-                result = batch.state()
-            elif method == "__batch_step__":
-                result = batch.step(*args)
-            elif method == "__batch_state__":
-                result = batch.state()
+            elif method == "__open_runner__":
+                runner = None  # the old pool is freed before the new one is allocated
+                runner = open_runner(backend, *args)
+                result = runner.info
+            elif method == "__runner_execute__":
+                result = runner.execute(*args)
             else:
                 result = getattr(backend, method)(*args, **kwargs)
         except Exception as exc:

@@ -20,6 +20,9 @@ class LocalBackend:
     config: GPTBigCodeConfig
     device: str
     kv_layout = "head"  # KV cache over TP ranks: "head" (heads split, MQA's one head copied) or "batch"
+    runs_elsewhere = False  # its ranks are other processes (plugins.dist): a model runner opens on each
+    speculative: dict | None = None  # speculative decoding's checked options (deepspeed) ...
+    draft = None                     # ... and the draft model's backend (None: prompt lookup)
 
     def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
         check_inputs(self.config, input_ids, attention_mask, max_new_tokens)
@@ -41,6 +44,10 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+    def dead_worker(self) -> str | None:
+        """What died of the processes this backend runs on, if any (in-process: nothing)."""
+        return None
 
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         """Which implementation runs the linears of a decode step and of the prefill (plugins.kernels);

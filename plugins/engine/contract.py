@@ -33,7 +33,11 @@ class Backend(Protocol):
     config: GPTBigCodeConfig
     dtype: torch.dtype
     tp_size: int
+    device: str
     kv_layout: str  # "head" (KV heads split over ranks, MQA's one head copied) or "batch" (sequences split)
+    runs_elsewhere: bool  # its ranks are worker processes (plugins.dist): `open_runner` opens one on each
+    speculative: dict | None  # speculative decoding's options ({"k", "draft", ...}) where loaded with them
+    draft: "Backend | None"   # the draft model's backend (None: prompt lookup, or no speculation)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """FloatTensor [B, T, V] for every position (padded positions included)."""
@@ -57,6 +61,9 @@ class Backend(Protocol):
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         """Which implementation runs the linears of a decode step and of the prefill."""
 
+    def dead_worker(self) -> str | None:
+        """Which of its worker processes died (None while all live, and in-process)."""
+
 
 class Decoder(Protocol):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -72,11 +79,12 @@ class Decoder(Protocol):
 
 
 class BatchDecoder(Protocol):
-    """An engine's decode step on a KV pool. Pool tensors have the batch row on `batch_dim` and the
-    token column on `time_dim`."""
+    """An engine's decode step on a KV pool (plugins.serving drives it). Pool tensors have the batch row
+    on `batch_dim` and the token column on `time_dim`."""
 
     batch_dim: int
     time_dim: int
+    fuses_chunks: bool  # `mixed` runs prompt chunks inside a decode step's forward
 
     def prefill_alone(self, input_ids: torch.Tensor, prefix: list[torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -90,7 +98,10 @@ class BatchDecoder(Protocol):
     def decode(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Rows [0, n) of the pool: tokens [n, 1] written at column t = mask width - 1; logits [n, V]."""
 
-    # Optional: an engine that sets `fuses_chunks = True` also has
-    # mixed(tokens, attention_mask, position_ids, chunks) -> (logits [n, V], [(logits [1, V], K and V)])
-    # `decode` and prompt chunks ((ids [1, end], prefix K and V or None), as `prefill_alone` takes them)
-    # in one forward; the continuous batch then runs chunked prefill inside its decode steps.
+    def verify(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Rows [0, n) with several new tokens each [n, w] (speculative decoding): logits [n, w, V]."""
+
+    def mixed(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+              chunks: list) -> tuple[torch.Tensor, list]:
+        """Where `fuses_chunks`: `decode` and prompt chunks ((ids [1, end], prefix K and V or None), as
+        `prefill_alone` takes them) in one forward -> (logits [n, V], [(logits [1, V], K and V)])."""

@@ -35,6 +35,10 @@ class HFDecoder:
         return self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                           cache=self.cache, use_cache=True).logits
 
+    def verify(self, tokens, attention_mask, position_ids):
+        """The server's speculative verify: `forward_tokens` (an engine may batch it otherwise)."""
+        return self.forward_tokens(tokens, attention_mask, position_ids)
+
     def rollback(self, n: int) -> None:
         if n:
             self.cache.crop(-n)
@@ -103,7 +107,7 @@ class PoolDecoder:
         """Rows [0, n) with several new tokens each [n, w] written at columns t .. t + w - 1 (t = mask
         width - w; masked columns are padding): logits of every token [n, w, V] (speculative decoding)."""
         self._rows(tokens.shape[0], attention_mask.shape[1] - tokens.shape[1])
-        return getattr(self.step, "verify", self.step.forward_tokens)(tokens, attention_mask, position_ids)
+        return self.step.verify(tokens, attention_mask, position_ids)
 
     def mixed(self, tokens, attention_mask, position_ids, chunks):
         """`decode` and prompt chunks in one forward (where `fuses_chunks`): `chunks` a list of (prompt

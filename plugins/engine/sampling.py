@@ -63,11 +63,11 @@ class Sampler:
 
 class LogitRules:
     """What a request asks of the logits before sampling (vLLM's order): the stop tokens suppressed
-    until `min_new_tokens` are out, `logit_bias`, HF's `repetition_penalty` over prompt and output,
+    until `min_tokens` are out, `logit_bias`, HF's `repetition_penalty` over prompt and output,
     OpenAI's `frequency_penalty` and `presence_penalty` over the output."""
 
     def __init__(self, repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None, min_new_tokens: int = 0, stop_ids=()):
+                 logit_bias: dict[int, float] | None = None, min_tokens: int = 0, stop_ids=()):
         for name, value in (("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
                             ("frequency_penalty", frequency_penalty)):
             if not _number(value):
@@ -79,18 +79,18 @@ class LogitRules:
         # built once, not per decode step
         self._bias_ids = torch.tensor(list(self.bias), dtype=torch.long)
         self._bias_values = torch.tensor(list(self.bias.values()), dtype=torch.float32)
-        self.min_new_tokens, self.stop_ids = min_new_tokens, sorted(set(stop_ids))
+        self.min_tokens, self.stop_ids = min_tokens, sorted(set(stop_ids))
 
     @property
     def active(self) -> bool:
         return bool(self.repetition != 1.0 or self.presence or self.frequency or self.bias
-                    or (self.min_new_tokens and self.stop_ids))
+                    or (self.min_tokens and self.stop_ids))
 
     def __call__(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """logits [1, V] -> adjusted fp32 logits [1, V]."""
         logits = logits.float().clone()
         row = logits[0]
-        if len(output) < self.min_new_tokens and self.stop_ids:
+        if len(output) < self.min_tokens and self.stop_ids:
             row[self.stop_ids] = float("-inf")
         if self.bias:
             row[self._bias_ids] += self._bias_values

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.core.config import head_dim, kv_heads_per_rank
+from plugins.core.config import ConfigError, head_dim, kv_heads_per_rank
 from plugins.core.tensors import position_ids, tensor_bytes
 
 
@@ -60,6 +60,7 @@ class MegatronPoolDecoder:
     active rows [0, n) decode as a batch of n; the pool is allocated here, before any forward."""
 
     batch_dim, time_dim = 1, 0
+    fuses_chunks = False  # a chunk is a forward of its own
 
     def __init__(self, backend, slots: int, capacity: int):
         self.backend = backend
@@ -97,3 +98,9 @@ class MegatronPoolDecoder:
     def decode(self, tokens, attention_mask, position_ids):
         self.step.ctx.sequence_len_offset = attention_mask.shape[1] - 1
         return self.step.decode(tokens, attention_mask, position_ids)
+
+    def verify(self, tokens, attention_mask, position_ids):
+        raise ConfigError("speculative decoding runs on the deepspeed backend only")
+
+    def mixed(self, tokens, attention_mask, position_ids, chunks):
+        raise ConfigError("megatron runs each prompt chunk as a forward of its own (fuses_chunks is False)")

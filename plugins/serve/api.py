@@ -14,7 +14,8 @@ import secrets
 import time
 from typing import Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 
 class StreamOptions(BaseModel):
@@ -63,16 +64,18 @@ class Sampling(BaseModel):
     skip_special_tokens: StrictBool | None = True  # vLLM's: special tokens (FIM, EOS) left out of the text
     user: StrictStr | None = None
 
+    @model_validator(mode="after")
+    def _one_name(self):
+        """max_completion_tokens (OpenAI's newer name) is max_tokens from here on."""
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
     def ignored(self) -> list[str]:
         names = list(self.model_extra or {})
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
         return names
-
-    @property
-    def asked_tokens(self) -> int | None:
-        """max_completion_tokens (the newer name) over max_tokens; None when neither is given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -98,9 +101,11 @@ class CompletionRequest(Sampling):
             return list(p)
         return [p]
 
-    @property
-    def new_tokens(self) -> int:
-        return 16 if self.asked_tokens is None else self.asked_tokens  # OpenAI's default
+    @model_validator(mode="after")
+    def _default_max_tokens(self):
+        if self.max_tokens is None:
+            self.max_tokens = 16  # OpenAI's default for completions
+        return self
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -216,18 +221,16 @@ def check_completion(req: CompletionRequest) -> None:
         raise RequestError(f"`prompt` takes 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     if any(len(p) == 0 for p in prompts) and not req.suffix:
         raise RequestError("`prompt` is empty", "prompt")
-    if req.new_tokens == 0 and not req.echo:
+    if req.max_tokens == 0 and not req.echo:
         raise RequestError("`max_tokens` 0 is only for scoring a prompt with `echo`", "max_tokens")
     if req.echo and req.suffix is not None:
         raise RequestError("`echo` cannot be combined with `suffix`", "echo")
-    check_sampling(req, req.new_tokens)
+    check_sampling(req)
 
 
-def check_sampling(req: Sampling, new_tokens: int | None) -> None:
+def check_sampling(req: Sampling) -> None:
     if req.best_of not in (None, req.n):
         raise RequestError("`best_of` is not supported by this server (send n alone)", "best_of")
-    if new_tokens is not None and (req.min_tokens or 0) > new_tokens:
-        raise RequestError(f"`min_tokens` ({req.min_tokens}) is above max_tokens ({new_tokens})", "min_tokens")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise RequestError(f"`stop` takes at most {MAX_STOP} sequences", "stop")
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP:
@@ -253,7 +256,7 @@ def check_token_ids(ids, vocab_size: int, name: str) -> None:
 
 
 def sampling(req: Sampling, vocab_size: int, eos: int | None) -> dict:
-    """BatchRequest fields of every choice (the seed is per choice: `first_seed`): temperature 0
+    """Request fields of every choice (the seed is per choice: `first_seed`): temperature 0
     is greedy; no seed draws one (OpenAI: best effort). Any integer seed is taken, reduced into
     [0, 2^63) (seed and seed + 2^63 sample alike)."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
@@ -266,7 +269,7 @@ def sampling(req: Sampling, vocab_size: int, eos: int | None) -> dict:
             "min_p": float(req.min_p or 0.0), "repetition_penalty": float(req.repetition_penalty or 1.0),
             "presence_penalty": float(req.presence_penalty or 0.0),
             "frequency_penalty": float(req.frequency_penalty or 0.0), "logit_bias": bias or None,
-            "min_new_tokens": req.min_tokens or 0, "stop_token_ids": tuple(req.stop_token_ids or ()),
+            "min_tokens": req.min_tokens or 0, "stop_token_ids": tuple(req.stop_token_ids or ()),
             "eos_token_id": None if req.ignore_eos else eos, "logprobs": req.top_logprobs_k,
             "prompt_logprobs": req.prompt_logprobs_k}
 

@@ -34,15 +34,15 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
     async def lifespan(app):
         yield
         # uvicorn has stopped accepting and waited for open requests (its graceful timeout)
-        await run_in_threadpool(served.scheduler.close)
+        await run_in_threadpool(served.engine.close)
         if on_shutdown is not None:
             await run_in_threadpool(on_shutdown)
-        print(f"server shut down: backend closed, {served.scheduler.failed_at_close} unfinished request(s) "
+        print(f"server shut down: backend closed, {served.engine.failed_at_close} unfinished request(s) "
               "failed", flush=True)
 
     app = FastAPI(title="mqa-plugins completions server", lifespan=lifespan)
     app.add_middleware(RefuseAmbiguousFraming)
-    sched = served.scheduler
+    engine = served.engine
 
     @app.exception_handler(RequestError)
     async def request_error(_, exc: RequestError):
@@ -63,24 +63,24 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        state = sched.state()
+        state = engine.state()
         status = 503 if state["error"] else 200
         return JSONResponse({"status": "ok" if status == 200 else "error", **state}, status_code=status)
 
     @app.get("/get_load")
     async def load():
-        state = sched.state()
+        state = engine.state()
         return {"load": state["running"] + state["waiting"], "num_reqs": state["running"],
                 "num_waiting_reqs": state["waiting"]}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(sched.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": served.created,
-                                            "owned_by": "mqa-plugins", "max_model_len": sched.capacity}]}
+                                            "owned_by": "mqa-plugins", "max_model_len": engine.capacity}]}
 
     async def read_body(http: HTTPRequest) -> bytes | None:
         """The whole body, or None when the client left mid-body (or was cut by the read deadline)."""
@@ -128,7 +128,7 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
 
     @app.get("/info")
     async def tgi_info():
-        return tgi.info(served, sched.slots + sched.max_waiting)
+        return tgi.info(served, engine.slots + engine.max_waiting)
 
     @app.get("/api/tags")
     async def ollama_tags():

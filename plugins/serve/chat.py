@@ -107,7 +107,7 @@ def _logprobs(served: Served, ids: list[int], entries) -> list[dict]:
 
 
 async def chat_prompt(served: Served, req: ChatRequest) -> tuple[list[int], int]:
-    """The checked prompt's token ids and how many tokens to generate."""
+    """The prompt's token ids and how many tokens to generate (the rest of the context by default)."""
     served.note_ignored(req.ignored())
     served.check_model(req.model)
     if served.chat is None:
@@ -120,12 +120,8 @@ async def chat_prompt(served: Served, req: ChatRequest) -> tuple[list[int], int]
     except (TemplateError, ValueError) as e:  # the template's own raise_exception, a bad role order, ...
         raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
     prompt = await served.prompt_ids(text, name="messages")
-    new_tokens = req.asked_tokens if req.asked_tokens is not None else served.capacity - len(prompt)
-    if new_tokens < 1:
-        raise RequestError("`max_tokens` must be >= 1", "max_tokens")
-    check_sampling(req, new_tokens)
-    served.check_fits(prompt, new_tokens)
-    return prompt, new_tokens
+    check_sampling(req)
+    return prompt, req.max_tokens if req.max_tokens is not None else served.capacity - len(prompt)
 
 
 def parse_chat(body: bytes) -> ChatRequest:
@@ -134,8 +130,8 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 async def create_chat_completion(served: Served, http: HTTPRequest, body: bytes, arrived: float):
     req = parse_chat(body)
-    prompt, new_tokens = await chat_prompt(served, req)
-    gens = start_choices(served, req, [prompt], new_tokens, arrived)
+    prompt, max_tokens = await chat_prompt(served, req)
+    gens = start_choices(served, req, [prompt], max_tokens, arrived)
     cid, created, model = "chatcmpl-" + secrets.token_hex(12), int(time.time()), served.model_id
     parts = [[] for _ in gens]
     logprobs = [[] for _ in gens]

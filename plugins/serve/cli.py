@@ -101,7 +101,7 @@ def check_args(ap, args) -> dict:
     from plugins.core.config import ConfigError, check_tp
     from plugins.core.tensors import resolve_dtype
     from plugins.engine.registry import backend_class
-    from plugins.serving.batching import check_batchable
+    from plugins.serving.runner import check_batchable
 
     launch = check_nodes(ap, args)
     try:
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     from plugins.engine.registry import load_backend
     from plugins.serve.app import Served, create_app
     from plugins.serve.http_limits import Limits, limited_protocol
-    from plugins.serving.scheduler import Scheduler
+    from plugins.serving.engine import ServingEngine
 
     chunk = args.max_num_batched_tokens or "off"
     announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
@@ -189,8 +189,8 @@ def main(argv=None) -> int:
     backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
                            **engine_options(args), **launch)
     try:
-        scheduler = Scheduler(backend, slots, capacity, args.max_waiting, args.prefix_cache,
-                              max_batched_tokens(args))
+        engine = ServingEngine(backend, slots, capacity, args.max_waiting, args.prefix_cache,
+                               max_batched_tokens(args))
     except BaseException:
         backend.close()
         raise
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     gc.collect()
     gc.freeze()
     model_id = args.checkpoint_dir.resolve().name
-    app = create_app(Served(scheduler, tokenizer, model_id, config.vocab_size, args.max_body_bytes, chat),
+    app = create_app(Served(engine, tokenizer, model_id, config.vocab_size, args.max_body_bytes, chat),
                      on_shutdown=backend.close)
     announce(f"serving {model_id!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
     limits = Limits(args.read_timeout, args.max_connections)
@@ -212,32 +212,32 @@ def main(argv=None) -> int:
 
     def serve_http():
         try:
-            server.run()  # returns after its graceful shutdown (our lifespan closes the scheduler)
+            server.run()  # returns after its graceful shutdown (our lifespan closes the engine)
         finally:
-            scheduler.close(timeout=0)  # also when it could not start (port taken): the decode loop ends
+            engine.close(timeout=0)  # also when it could not start (port taken): the decode loop ends
 
     def stop(signum, frame):
         if not server.should_exit:
             server.should_exit = True  # uvicorn stops accepting, drains open requests, then shuts down
             # running requests get --graceful-timeout seconds, then end with an error body
-            threading.Thread(target=scheduler.close, args=(args.graceful_timeout,), daemon=True).start()
+            threading.Thread(target=engine.close, args=(args.graceful_timeout,), daemon=True).start()
 
-    # HTTP on a thread, the decode loop on this one (see Scheduler.run); signals arrive here.
+    # HTTP on a thread, the decode loop on this one (see ServingEngine.run); signals arrive here.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     http = threading.Thread(target=serve_http, name="http")
     http.start()
-    scheduler.watch()
+    engine.watch()
     try:
-        scheduler.run()
-        if scheduler.error:  # /health answers 503 a moment for whoever watches it, then the process ends
+        engine.run()
+        if engine.error:  # /health answers 503 a moment for whoever watches it, then the process ends
             time.sleep(ENGINE_FAILED_LINGER_S)
     finally:
         server.should_exit = True
         http.join()
         backend.close()
-    if scheduler.error:
-        print(f"exiting: the engine failed ({scheduler.error})", flush=True)
+    if engine.error:
+        print(f"exiting: the engine failed ({engine.error})", flush=True)
         return 1
     return 0 if server.started else 1
 

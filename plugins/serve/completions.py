@@ -58,7 +58,7 @@ class Choice:
 
     def __init__(self, served: Served, gen: Generation, prompt: list[int], prompt_text: str, req: CompletionRequest):
         self.gen, self.prompt, self.prompt_text = gen, prompt, prompt_text
-        self.echo, self.scoring = bool(req.echo), req.new_tokens == 0
+        self.echo, self.scoring = bool(req.echo), req.max_tokens == 0
         self.logprobs = Logprobs(served.tokenizer) if req.logprobs is not None else None
         self.started = False
         self.parts: list[str] = []
@@ -94,13 +94,11 @@ async def create_completion(served: Served, http: HTTPRequest, body: bytes, arri
     served.note_ignored(req.ignored())
     served.check_model(req.model)
     prompts = [await served.prompt_ids(p, req.suffix) for p in req.prompts()]
-    new_tokens = max(req.new_tokens, 1)  # max_tokens 0 (echo): one token is made and dropped
-    for ids in prompts:
-        served.check_fits(ids, new_tokens)
     check_prompt_logprobs(req, prompts)
     texts = [p if isinstance(p, str) else served.tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens
                                                                    is not False) for p in req.prompts()]
-    gens = start_choices(served, req, prompts, new_tokens, arrived)
+    gens = start_choices(served, req, prompts, max(req.max_tokens, 1), arrived)  # max_tokens 0 (echo):
+    # one token is made and dropped
     pairs = [(ids, text) for ids, text in zip(prompts, texts) for _ in range(req.n or 1)]
     choices = [Choice(served, gen, ids, text, req) for gen, (ids, text) in zip(gens, pairs)]
     cid, created, model = completion_id(), int(time.time()), served.model_id
@@ -179,14 +177,18 @@ async def collect(http: HTTPRequest, gens: list[Generation], take) -> None:
         watcher.cancel()
 
 
-def start_choices(served: Served, req: Sampling, prompts: list[list[int]], new_tokens: int,
+def start_choices(served: Served, req: Sampling, prompts: list[list[int]], max_tokens: int,
                   arrived: float) -> list[Generation]:
     """n generations per prompt, queued together (choice p * n + j: seed + j); all or none."""
+    return served.start(choice_requests(served, req, prompts, max_tokens), stop_list(req), arrived,
+                        skip_special=req.skip_special_tokens is not False)
+
+
+def choice_requests(served: Served, req: Sampling, prompts: list[list[int]], max_tokens: int) -> list:
     fields = sampling(req, served.vocab_size, served.eos)
     seed = first_seed(req)
-    params = [served.request(prompt=ids, max_new_tokens=new_tokens, seed=seed + j, **fields)
-              for ids in prompts for j in range(req.n or 1)]
-    return served.start(params, stop_list(req), arrived, skip_special=req.skip_special_tokens is not False)
+    return [served.request(prompt=ids, max_tokens=max_tokens, seed=seed + j, **fields)
+            for ids in prompts for j in range(req.n or 1)]
 
 
 async def cancel_on_disconnect(http: HTTPRequest, gens: list[Generation]) -> None:

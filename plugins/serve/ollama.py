@@ -57,20 +57,18 @@ async def generate(served: Served, http, body: bytes, arrived: float):
     if not req.prompt and req.suffix is None:
         raise RequestError("`prompt` is empty", "prompt")
     prompt = await served.prompt_ids(req.prompt, req.suffix)
-    room = served.capacity - len(prompt)
-    new_tokens = room if o.num_predict is None or o.num_predict < 0 else o.num_predict
-    if new_tokens < 1:
+    if o.num_predict == 0:
         raise RequestError("`options.num_predict` must be >= 1 (or -1: to the end of the context)", "options.num_predict")
-    served.check_fits(prompt, new_tokens, "options.num_predict")
+    max_tokens = served.capacity - len(prompt) if o.num_predict is None or o.num_predict < 0 else o.num_predict
     temperature = 0.8 if o.temperature is None else float(o.temperature)
     params = served.request(
-        prompt=prompt, max_new_tokens=new_tokens, do_sample=temperature > 0,
+        prompt=prompt, max_tokens=max_tokens, do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else 1.0, top_k=o.top_k or 0,
         top_p=float(o.top_p or 1.0), min_p=float(o.min_p or 0.0),
         seed=o.seed if o.seed is not None else secrets.randbits(62), eos_token_id=served.eos,
         repetition_penalty=float(o.repeat_penalty or 1.0), presence_penalty=float(o.presence_penalty or 0.0),
         frequency_penalty=float(o.frequency_penalty or 0.0))
-    gen = served.start([params], list(o.stop or []), arrived)[0]
+    gen = served.start([params], list(o.stop or []), arrived, names={"max_tokens": "options.num_predict"})[0]
     model = served.model_id
     started = time.monotonic()
 

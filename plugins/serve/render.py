@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from plugins.serve.api import Sampling, completion_id, parse_completion, sampling, stop_list
 from plugins.serve.chat import chat_prompt, parse_chat
+from plugins.serve.completions import choice_requests
 from plugins.serve.served import Served
 
 
@@ -39,13 +40,13 @@ async def render_completion(served: Served, http, body: bytes, arrived: float) -
     served.note_ignored(req.ignored())
     served.check_model(req.model)
     prompts = [await served.prompt_ids(p, req.suffix) for p in req.prompts()]
-    for ids in prompts:
-        served.check_fits(ids, max(req.new_tokens, 1))
+    served.check(choice_requests(served, req, prompts, max(req.max_tokens, 1)))
     cid = completion_id()
-    return [generate_request(served, req, ids, req.new_tokens, f"{cid}-{i}") for i, ids in enumerate(prompts)]
+    return [generate_request(served, req, ids, req.max_tokens, f"{cid}-{i}") for i, ids in enumerate(prompts)]
 
 
 async def render_chat(served: Served, http, body: bytes, arrived: float) -> dict:
     req = parse_chat(body)
-    prompt, new_tokens = await chat_prompt(served, req)
-    return generate_request(served, req, prompt, new_tokens, "chatcmpl-" + completion_id()[len("cmpl-"):])
+    prompt, max_tokens = await chat_prompt(served, req)
+    served.check(choice_requests(served, req, [prompt], max_tokens))
+    return generate_request(served, req, prompt, max_tokens, "chatcmpl-" + completion_id()[len("cmpl-"):])

@@ -1,8 +1,8 @@
-"""What every endpoint shares: the scheduler, the tokenizer, prompt checks, and one generation as a
+"""What every endpoint shares: the serving engine, the tokenizer, prompt checks, and one generation as a
 stream of events (text as it becomes final, the token ids and log-probabilities behind it).
 
-The event loop tokenizes (in a worker thread), queues requests with the scheduler and turns the
-token ids it streams back into text; the decode loop runs in the scheduler's thread.
+The event loop tokenizes (in a worker thread), queues requests with the serving engine and turns the
+token ids it streams back into text; the engine's loop runs in its own thread.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from plugins.core.config import ConfigError
 from plugins.serve.api import RequestError, check_token_ids
 from plugins.serve.text import EOS_NAMES, StreamText, encode_prompt, special_id
-from plugins.serving.request import BatchRequest
-from plugins.serving.scheduler import QueueFull, Request, Scheduler, ServerClosing
+from plugins.serving.engine import QueueFull, ResultQueue, ServerClosing, ServingEngine
+from plugins.serving.request import Request, RequestRefused
 
 MAX_BODY_BYTES = 4 << 20
 MAX_IGNORED_NAMES = 256  # unknown field names remembered as already logged
@@ -52,12 +51,12 @@ class Event:
 
 
 class Served:
-    """What the app serves: the scheduler (over an open backend), its tokenizer and the model id."""
+    """What the app serves: the serving engine (over an open backend), its tokenizer and the model id."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_id: str, vocab_size: int,
+    def __init__(self, engine: ServingEngine, tokenizer, model_id: str, vocab_size: int,
                  max_body_bytes: int = MAX_BODY_BYTES, chat=None):
         """`chat`: the checkpoint's chat template (plugins.serve.chat.ChatTemplate), or None."""
-        self.scheduler, self.tokenizer, self.model_id, self.vocab_size = scheduler, tokenizer, model_id, vocab_size
+        self.engine, self.tokenizer, self.model_id, self.vocab_size = engine, tokenizer, model_id, vocab_size
         self.chat = chat
         self.eos = special_id(tokenizer, EOS_NAMES)
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
@@ -65,12 +64,12 @@ class Served:
         self.max_body_bytes = max_body_bytes
         per_token = max_token_bytes(tokenizer)
         # a prompt (+ suffix) of more bytes than this cannot fit the context: refused before tokenizing
-        self.max_prompt_bytes = None if per_token is None else per_token * (scheduler.capacity - 1)
+        self.max_prompt_bytes = None if per_token is None else per_token * (engine.capacity - 1)
         self._ignored: set[str] = set()
 
     @property
     def capacity(self) -> int:
-        return self.scheduler.capacity
+        return self.engine.capacity
 
     def note_ignored(self, names) -> None:
         """Unknown request fields are ignored. A request naming fields not logged before gets one log line
@@ -117,38 +116,47 @@ class Served:
                 raise RequestError(f"`{name}` is {size} bytes: more than {self.capacity - 1} tokens of this "
                                    f"model's context can hold (at most {self.max_prompt_bytes} bytes)", name)
 
-    def check_fits(self, prompt: list[int], max_tokens: int, param: str = "max_tokens") -> None:
-        if len(prompt) + max_tokens > self.capacity:
-            raise RequestError(f"prompt ({len(prompt)} tokens) + {param.split('.')[-1]} ({max_tokens}) exceeds this "
-                               f"model's context of {self.capacity} tokens", param)
-
-    def start(self, params: list[BatchRequest], stop: list[str], arrived: float,
-              skip_special: bool = False, include_stop: bool = False) -> list["Generation"]:
-        """Queue generations together (RequestError 503 when the queue is full or the server closes).
-        The text leaves out EOS and the stop token ids; with `skip_special`, every special token; it ends
-        before a stop string, or with it (`include_stop`)."""
-        loop = asyncio.get_running_loop()
-        entries = [Request(p, loop, arrived=arrived) for p in params]
+    def check(self, requests: list[Request], names: dict[str, str] | None = None) -> None:
+        """What `start` would refuse of these requests, as a RequestError naming the field by this
+        route's name for it (`names`: the engine's name -> the route's, e.g. TGI's max_new_tokens)."""
         try:
-            self.scheduler.submit(*entries)
+            for request in requests:
+                request.check(self.capacity)
+        except RequestRefused as e:
+            raise _refused(e, names) from None
+
+    def start(self, requests: list[Request], stop: list[str], arrived: float, skip_special: bool = False,
+              include_stop: bool = False, names: dict[str, str] | None = None) -> list["Generation"]:
+        """Queue generations together (all or none; RequestError 400 for what the engine refuses, 503
+        when the queue is full or the server closes). The text leaves out EOS and the stop token ids;
+        with `skip_special`, every special token; it ends before a stop string, or with it (`include_stop`)."""
+        loop = asyncio.get_running_loop()
+        queues = [ResultQueue(r, loop, arrived=arrived) for r in requests]
+        try:
+            self.engine.submit(*queues)
+        except RequestRefused as e:
+            raise _refused(e, names) from None
         except (QueueFull, ServerClosing) as e:
             raise RequestError(str(e), status=503, kind="server_error", code="overloaded") from None
-        except ConfigError as e:
-            raise RequestError(str(e)) from None
         special = self.special_ids if skip_special else set()
-        return [Generation(self.scheduler, entry, StreamText(self.tokenizer, stop, skip_ids=(
-            {self.eos} | set(entry.params.stop_token_ids) | special) - {None}, include_stop=include_stop))
-            for entry in entries]
+        return [Generation(self.engine, q, StreamText(self.tokenizer, stop, skip_ids=(
+            {self.eos} | set(q.request.stop_token_ids) | special) - {None}, include_stop=include_stop))
+            for q in queues]
 
-    def request(self, **fields) -> BatchRequest:
-        return BatchRequest(id=self.scheduler.new_id(), **fields)
+    def request(self, **fields) -> Request:
+        return Request(id=self.engine.new_id(), **fields)
+
+
+def _refused(e: RequestRefused, names: dict[str, str] | None) -> RequestError:
+    name = (names or {}).get(e.field, e.field)
+    return RequestError(e.message(name.rpartition(".")[2]), name)
 
 
 class Generation:
     """One queued request: its events, and its prompt's log-probabilities once prefilled."""
 
-    def __init__(self, scheduler: Scheduler, entry: Request, text: StreamText):
-        self.scheduler, self.entry, self.text = scheduler, entry, text
+    def __init__(self, engine: ServingEngine, queue: ResultQueue, text: StreamText):
+        self.engine, self.results, self.text = engine, queue, text
         self.prompt_logprobs: list | None = None
 
     @property
@@ -156,7 +164,7 @@ class Generation:
         return len(self.text.ids)
 
     def cancel(self) -> None:
-        self.scheduler.cancel(self.entry.params.id)
+        self.engine.cancel(self.results.request.id)
 
     async def events(self):
         """Event per step with new text; the last has `finish`. GenerationFailed on an error. Leaving
@@ -164,7 +172,7 @@ class Generation:
         finished = False
         try:
             while True:
-                item = await self.entry.queue.get()
+                item = await self.results.queue.get()
                 kind = item[0]
                 if kind == "prompt":
                     self.prompt_logprobs = item[1]
@@ -224,4 +232,4 @@ async def merged(generations: list[Generation]):
         for task in tasks:
             task.cancel()
         for gen in generations:
-            gen.cancel()  # a no-op for the finished ones (the scheduler no longer holds them)
+            gen.cancel()  # a no-op for the finished ones (the engine no longer holds them)

@@ -55,6 +55,9 @@ class GenerateRequest(BaseModel):
     stream: StrictBool = False
 
 
+NAMES = {"max_tokens": "parameters.max_new_tokens", "n": "parameters.best_of"}  # the engine's -> TGI's
+
+
 def error_response(exc: RequestError) -> JSONResponse:
     """TGI's ErrorResponse body ({error, error_type}), by which its client picks the exception it raises."""
     kind = "overloaded" if exc.status in (429, 503) else "generation" if exc.status >= 500 else "validation"
@@ -94,18 +97,18 @@ async def _start(served: Served, req: GenerateRequest, arrived: float, stream: b
     prompt = await served.prompt_ids(req.inputs, name="inputs")
     if p.truncate is not None:
         prompt = prompt[-p.truncate:]
-    max_new = p.max_new_tokens or served.capacity - len(prompt)  # TGI: up to the context when not given
-    served.check_fits(prompt, max(max_new, 1), "parameters.max_new_tokens")
+    max_tokens = p.max_new_tokens or served.capacity - len(prompt)  # TGI: up to the context when not given
     seed = p.seed if p.seed is not None else secrets.randbits(62)
     best_of = p.best_of or 1
     # token logprobs only where the answer carries or ranks by them (else greedy rows stay one batch argmax)
     logprobs = p.top_n_tokens or 0 if stream or p.details or p.top_n_tokens or best_of > 1 else None
     params = [served.request(
-        prompt=prompt, max_new_tokens=max_new, do_sample=sample, temperature=temperature if sample else 1.0,
+        prompt=prompt, max_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else 1.0,
         top_k=p.top_k or 0, top_p=float(p.top_p or 1.0), seed=seed + j, eos_token_id=served.eos,
         repetition_penalty=float(p.repetition_penalty or 1.0), frequency_penalty=float(p.frequency_penalty or 0.0),
         logprobs=logprobs, prompt_logprobs=0 if p.decoder_input_details else None) for j in range(best_of)]
-    return params, served.start(params, p.stop, arrived, include_stop=True)  # TGI's text ends with the stop
+    # TGI's text ends with the stop sequence
+    return params, served.start(params, p.stop, arrived, include_stop=True, names=NAMES)
 
 
 def _token(served: Served, token: int, entry, text: str | None = None) -> dict:

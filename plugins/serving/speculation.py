@@ -10,7 +10,7 @@ model's next token: 1 to k + 1 tokens per row per step (with log-probabilities f
 where asked). A row that proposes nothing, or samples, gets its one token as in a plain step.
 Rejected and padding columns stay in the pool, masked (`RowPool.holes`).
 
-Whether a step speculates is measured, not tabled: a verify of k + 1 tokens per row costs more as
+Whether a step speculates is the scheduler's decision (`SpeculationPolicy`), measured, not tabled: a verify of k + 1 tokens per row costs more as
 the batch grows, and pays only with enough accepted tokens. Per batch size (rounded up to a power of
 two) the batch keeps the tokens/s its plain steps and its verify steps delivered (moving averages),
 speculates while that beats plain decoding, and tries again after PROBE_EVERY plain steps (twice as
@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plugins.engine.contract import BatchDecoder
 from plugins.engine.speculative import lookup_continuation
 from plugins.serving.draft import propose
+from plugins.serving.step import DecodeReading
 
 PROBE_EVERY = 16  # plain steps of one batch size before speculation is measured again ...
 MAX_PROBE_EVERY = 256  # ... doubling while it keeps losing
@@ -44,15 +46,11 @@ class _Rates:
 
 
 @dataclass
-class RowSpeculation:
-    k: int = 10
-    ngram: int = 2
-    steps: int = 0      # verify steps
-    drafted: int = 0    # proposed tokens
-    accepted: int = 0   # of them, kept
+class SpeculationPolicy:
+    """Whether the next decode step verifies proposals (the scheduler's decision), from the rates its
+    readings (`StepResult.decode`) show."""
+
     rates: dict[int, _Rates] = field(default_factory=dict)
-    draft: object = None  # the draft model's BatchDecoder (None: prompt lookup)
-    catch_up_s: float = 0.0  # seconds of this step's proposals the draft spent catching up
     always: bool = field(default_factory=lambda: os.environ.get("PLUGINS_SPECULATION", "measured") == "always")
 
     @staticmethod
@@ -67,12 +65,11 @@ class RowSpeculation:
             return r.verify is None  # measure each kind once
         return r.verify >= r.plain or r.plain_steps >= r.probe_every
 
-    def observe(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
+    def observe(self, reading: DecodeReading) -> None:
         """A decode step of `rows` rows (a verify step or a plain one) made `tokens` tokens in `seconds`."""
-        r = self.rates.setdefault(self._bucket(rows), _Rates())
-        if verified:  # the draft's catching up in this step is the cost of probing, not of speculating
-            seconds, self.catch_up_s = seconds - self.catch_up_s, 0.0
-        rate = tokens / max(seconds, 1e-9)
+        verified = reading.verified
+        r = self.rates.setdefault(self._bucket(reading.rows), _Rates())
+        rate = reading.tokens / max(reading.seconds, 1e-9)
         old = r.verify if verified else r.plain
         r.readings[verified] += 1
         # a kind's first step at a batch size runs its shapes for the first time: its second replaces it
@@ -84,11 +81,23 @@ class RowSpeculation:
         else:
             r.plain, r.plain_steps = new, r.plain_steps + 1
 
+
+@dataclass
+class Proposer:
+    """The runner's side: each row's proposal and what it keeps of it."""
+
+    k: int = 10
+    ngram: int = 2
+    draft: BatchDecoder | None = None  # the draft model's (None: prompt lookup)
+    steps: int = 0      # verify steps
+    drafted: int = 0    # proposed tokens
+    accepted: int = 0   # of them, kept
+    catch_up_s: float = 0.0  # seconds of this step's proposals the draft spent catching up
+
     def proposals(self, rows, pool, fits: int) -> list[list[int]] | None:
         """Each row's proposal, at most `fits` tokens (empty for a row that samples or has logit rules,
         or has no match); None when nothing is proposed."""
-        rooms = [min(self.k, fits, row.request.max_new_tokens - len(row.output) - 1) if row.greedy else 0
-                 for row in rows]  # the model's own token always comes
+        rooms = [min(self.k, fits, row.left - 1) if row.greedy else 0 for row in rows]  # the model's own token always comes
         if max(rooms) < 1:
             return None
         if self.draft is not None:

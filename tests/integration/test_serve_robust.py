@@ -154,7 +154,7 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenize
     from plugins.engine import sampling
     from plugins.serve.app import Served, create_app
     from plugins.serve.http_limits import Limits, limited_protocol
-    from plugins.serving.scheduler import Scheduler
+    from plugins.serving.engine import ServingEngine
 
     call = sampling.Sampler.__call__
 
@@ -165,12 +165,12 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenize
 
     monkeypatch.setattr(sampling.Sampler, "__call__", failing)
     backend = load_backend("hf", ckpt, dtype="float32")
-    scheduler = Scheduler(backend, SLOTS, 256)
-    served = Served(scheduler, tokenizer, "tiny", backend.config.vocab_size)
+    engine = ServingEngine(backend, SLOTS, 256)
+    served = Served(engine, tokenizer, "tiny", backend.config.vocab_size)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning",
                                            http=limited_protocol(Limits())))
-    threads = [threading.Thread(target=scheduler.run), threading.Thread(target=server.run)]
+    threads = [threading.Thread(target=engine.run), threading.Thread(target=server.run)]
     [t.start() for t in threads]
     url = f"http://127.0.0.1:{port}"
     try:
@@ -190,14 +190,14 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenize
             assert "this request failed" in chunks[-1]["error"]["message"]
             assert good.result()[0] == greedy_alone(backend, tokenizer, prompt, 60)
         assert httpx2.get(url + "/health").json()["status"] == "ok"
-        assert scheduler.state()["running"] == 0
+        assert engine.state()["running"] == 0
         again = httpx2.post(url + "/v1/completions", json={"model": "tiny", "prompt": "z", "max_tokens": 5,
                                                            "temperature": 0.7, "seed": 1}, timeout=60)
         assert again.status_code == 200
     finally:
         server.should_exit = True
         threads[1].join(30)
-        scheduler.close(timeout=5)
+        engine.close(timeout=5)
         threads[0].join(30)
 
 

@@ -9,8 +9,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serving.batching import open_batch
-from plugins.serving.request import BatchRequest
+from plugins.serving.engine import EngineCore
+from plugins.serving.request import Request
 
 
 @pytest.fixture(scope="module", params=["deepspeed", "megatron"])
@@ -29,15 +29,14 @@ def test_tp2_overlapping_requests_match_generate_alone(tp2, tokenizer):
         assert out[request.id] == chunked[request.id] == varied[request.id] == alone(backend, request)
     # a row with its own rules and log-probabilities, across the ranks: the same as by full forwards
     prompt = prompt_token_ids(tokenizer, 11, 30)
-    request = BatchRequest(id=1, prompt=prompt, max_new_tokens=6, repetition_penalty=1.5, logprobs=3,
-                           prompt_logprobs=1)
-    batch = open_batch(backend, 2, 64)
-    result = batch.step([request])
-    tokens, logprobs, scored = list(result["tokens"][1]), list(result["logprobs"][1]), result["prompt_logprobs"][1]
-    while batch.state()["running"]:
-        result = batch.step()
-        tokens += result["tokens"].get(1, [])
-        logprobs += result.get("logprobs", {}).get(1, [])
+    core = EngineCore(backend, 2, 64)
+    core.add(Request(id=1, prompt=prompt, max_tokens=6, repetition_penalty=1.5, logprobs=3, prompt_logprobs=1))
+    result = core.step()
+    tokens, logprobs, scored = list(result.tokens[1]), list(result.logprobs[1]), result.prompt_logprobs[1]
+    while core.scheduler.has_work():
+        result = core.step()
+        tokens += result.tokens.get(1, [])
+        logprobs += result.logprobs.get(1, [])
     ids = list(prompt)
     for token, (value, top) in zip(tokens, logprobs):
         t = torch.tensor([ids])

@@ -1,4 +1,4 @@
-"""Continuous batching (plugins.serving.batching) on every engine: requests that join and leave a running
+"""Continuous batching (the engine core: plugins.serving.scheduler, runner, kv_manager) on every engine: requests that join and leave a running
 batch at different steps produce, token for token, what `generate` produces for each alone (fp32)."""
 
 import pytest
@@ -8,8 +8,9 @@ from batch_driver import CAPACITY, SLOTS, alone, requests, run
 from plugins.core.config import ConfigError
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serving.batching import open_batch
-from plugins.serving.request import BatchRequest
+from plugins.serving.engine import EngineCore
+from plugins.serving.request import Request, RequestRefused
+from plugins.serving.runner import open_runner
 
 BACKENDS = [("hf", {}), ("deepspeed", {}), ("megatron", {})]
 
@@ -36,7 +37,7 @@ def test_chunked_prefill_matches_generate_alone(tiny_dir, tokenizer, name):
     backend = load_backend(name, tiny_dir, dtype="float32")
     schedule = requests(tokenizer)
     head = schedule[6][1].prompt  # 40 tokens: the next prompt reuses its first 32 (two cache blocks)
-    schedule.append((13, BatchRequest(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_new_tokens=7)))
+    schedule.append((13, Request(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_tokens=7)))
     steps = []
     _, out, finished = run(backend, schedule, budget=12, prefix_cache_bytes=1 << 20, steps=steps)
     for _, request in schedule:
@@ -64,8 +65,6 @@ def test_a_chunk_size_per_step_matches_generate_alone(tiny_dir, tokenizer, name)
         assert out[request.id] == alone(backend, request), f"request {request.id} differs from generate alone"
     assert all(chunk <= sizes[i % len(sizes)] for i, (_, chunk, _, _) in enumerate(steps)), steps
     assert {chunk for _, chunk, _, _ in steps} >= {0, 1, 2, 5, 9}
-    with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 0"):
-        open_batch(backend, 2, 32).step([], [], -1)
 
 
 def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_factory, tokenizer, monkeypatch):
@@ -78,8 +77,8 @@ def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_fact
     spec = load_backend("deepspeed", ckpt, dtype="float32", speculative={"draft": "prompt-lookup", "k": 4})
     schedule = requests(tokenizer)
     snippet = prompt_token_ids(tokenizer, 10, 60)
-    schedule.append((4, BatchRequest(id=300, prompt=snippet * 3 + snippet[:4], max_new_tokens=20)))  # an edit
-    schedule.append((4, BatchRequest(id=301, prompt=snippet * 2, max_new_tokens=12, repetition_penalty=1.3)))
+    schedule.append((4, Request(id=300, prompt=snippet * 3 + snippet[:4], max_tokens=20)))  # an edit
+    schedule.append((4, Request(id=301, prompt=snippet * 2, max_tokens=12, repetition_penalty=1.3)))
     steps = []
     _, out, _ = run(spec, schedule, steps=steps)
     _, without, _ = run(plain, schedule)  # the same batch, no speculation: the penalty row's reference
@@ -91,12 +90,13 @@ def test_prompt_lookup_speculation_in_the_batch_matches_generate_alone(ckpt_fact
     assert max(rows for rows, *_ in steps) == SLOTS
 
 
-def draft_follows_the_pool(batch) -> None:
+def draft_follows_the_pool(core) -> None:
     """Every row's token columns hold its prompt and output, and the draft's K and V in the columns it
     has computed equal the draft's own prefill of the row's tokens up there (rows placed since the
     draft last ran excepted: it computes their prompt when it next proposes)."""
-    pool, draft = batch.pool, batch.decoder.draft
-    for r, row in enumerate(batch.rows):
+    runner = core.runner
+    pool, draft = runner.pool, runner.decoder.draft
+    for r, row in enumerate(runner.rows):
         cols = pool.mask[r, :pool.t].nonzero().squeeze(-1)
         assert pool.ids[r, cols].tolist() == (row.request.prompt + row.output)[:-1]
         cols = cols[cols < pool.drafted]
@@ -122,7 +122,7 @@ def test_draft_model_speculation_in_the_batch_matches_generate_alone(tiny_dir, c
     spec = load_backend("deepspeed", tiny_dir, dtype="float32", speculative={"draft": path, "k": 3})
     schedule = requests(tokenizer)
     head = schedule[6][1].prompt
-    schedule.append((13, BatchRequest(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_new_tokens=7)))
+    schedule.append((13, Request(id=200, prompt=head[:35] + prompt_token_ids(tokenizer, 5, 50), max_tokens=7)))
     steps = []
     state, out, _ = run(spec, schedule, budget=12, prefix_cache_bytes=1 << 20, steps=steps,
                         check=draft_follows_the_pool)
@@ -137,26 +137,31 @@ def test_draft_model_speculation_in_the_batch_matches_generate_alone(tiny_dir, c
 
 
 def test_speculation_stays_on_only_where_it_measured_faster():
-    from plugins.serving.speculation import PROBE_EVERY, RowSpeculation
+    from plugins.serving.speculation import PROBE_EVERY, SpeculationPolicy
+    from plugins.serving.step import DecodeReading
 
-    spec = RowSpeculation(always=False)
+    spec = SpeculationPolicy(always=False)
+
+    def step(rows, verified, tokens, seconds):
+        spec.observe(DecodeReading(rows, verified, tokens, seconds))
+
     assert spec.wanted(3)                      # nothing measured at 3-4 rows: verify first
-    spec.observe(3, True, tokens=4, seconds=1.0)
+    step(3, True, tokens=4, seconds=1.0)
     assert not spec.wanted(4)                  # then a plain step
-    spec.observe(4, False, tokens=4, seconds=0.5)
+    step(4, False, tokens=4, seconds=0.5)
     assert not spec.wanted(3)                  # 4 tok/s verifying against 8 plain: plain
     for _ in range(PROBE_EVERY - 1):
-        spec.observe(4, False, tokens=4, seconds=0.5)
+        step(4, False, tokens=4, seconds=0.5)
     assert spec.wanted(4)                      # measured again after PROBE_EVERY plain steps
-    spec.observe(4, True, tokens=5, seconds=1.0)
+    step(4, True, tokens=5, seconds=1.0)
     assert spec.rates[4].verify == 5.0         # a kind's second step replaces its first (shapes run once)
     for _ in range(PROBE_EVERY):
-        spec.observe(4, False, tokens=4, seconds=0.5)
+        step(4, False, tokens=4, seconds=0.5)
     assert not spec.wanted(4)                  # it lost again: the next try waits twice as long
     for _ in range(PROBE_EVERY):
-        spec.observe(4, False, tokens=4, seconds=0.5)
+        step(4, False, tokens=4, seconds=0.5)
     assert spec.wanted(4)
-    spec.observe(4, True, tokens=80, seconds=1.0)
+    step(4, True, tokens=80, seconds=1.0)
     assert spec.wanted(4) and spec.wanted(1)   # faster now at 4 rows; 1 row never measured
 
 
@@ -179,19 +184,23 @@ def test_released_and_eos_requests_leave_the_others_exact(ckpt_factory, tokenize
 
 def test_requests_the_pool_cannot_hold_are_refused_before_any_work(ckpt_factory, tokenizer):
     backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
-    batch = open_batch(backend, 2, 32)
-    too_long = BatchRequest(id=1, prompt=prompt_token_ids(tokenizer, 30, 0), max_new_tokens=3)
-    with pytest.raises(ConfigError, match="exceeds the context of 32"):
-        batch.step([too_long])
-    many = [BatchRequest(id=i, prompt=[1, 2], max_new_tokens=2) for i in range(3)]
-    with pytest.raises(ConfigError, match="3 requests for 2 slots"):
-        batch.step(many)
+    core = EngineCore(backend, 2, 32)
+    too_long = Request(id=1, prompt=prompt_token_ids(tokenizer, 30, 0), max_tokens=3)
+    with pytest.raises(RequestRefused, match="exceeds this model's context of 32") as refused:
+        core.add(too_long)
+    assert refused.value.field == "max_tokens" and not core.scheduler.has_work()
+    with pytest.raises(RequestRefused, match="min_tokens"):
+        core.add(Request(id=2, prompt=[1, 2], max_tokens=2, min_tokens=3))
+    for i in range(3):  # one more than the slots: it waits for one
+        core.add(Request(id=10 + i, prompt=[1, 2], max_tokens=10))
+    core.step()
+    assert core.scheduler.held == 2 and len(core.scheduler.waiting) == 1
     with pytest.raises(ConfigError, match="n_positions"):
-        open_batch(backend, 2, backend.config.n_positions + 1)
+        open_runner(backend, 2, backend.config.n_positions + 1)
 
 
 def test_a_draft_shorter_than_the_pool_is_refused(ckpt_factory):
     short = ckpt_factory("tiny", n_positions=32)
     spec = load_backend("deepspeed", ckpt_factory("tiny"), speculative={"draft": str(short)})
     with pytest.raises(ConfigError, match="exceeds the draft model's n_positions 32"):
-        open_batch(spec, 2, 48)
+        open_runner(spec, 2, 48)

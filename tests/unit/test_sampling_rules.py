@@ -8,8 +8,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 from plugins.engine.sampling import LogitRules
-from plugins.serving.batching import open_batch
-from plugins.serving.request import BatchRequest
+from plugins.serving.engine import EngineCore
+from plugins.serving.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +22,16 @@ def engine(request, ckpt):
     return load_backend(request.param, ckpt, dtype="float32")
 
 
-def run_alone(backend, request: BatchRequest, slots=4):
-    batch = open_batch(backend, slots, 128)
-    result = batch.step([request])
-    tokens, logprobs = list(result["tokens"][request.id]), list(result.get("logprobs", {}).get(request.id, []))
-    while request.id not in result["finished"]:
-        result = batch.step()
-        tokens += result["tokens"][request.id]
-        logprobs += result.get("logprobs", {}).get(request.id, [])
-    return tokens, logprobs, result["finished"][request.id]
+def run_alone(backend, request: Request, slots=4):
+    core = EngineCore(backend, slots, 128)
+    core.add(request)
+    tokens, logprobs = [], []
+    while True:
+        result = core.step()
+        tokens += result.tokens.get(request.id, [])
+        logprobs += result.logprobs.get(request.id, [])
+        if request.id in result.finished:
+            return tokens, logprobs, result.finished[request.id]
 
 
 def reference(backend, prompt, new, adjust):
@@ -51,7 +52,7 @@ def test_repetition_penalty_is_hfs_processor(engine, hf, tokenizer):
         return hf_rule(torch.tensor([prompt + output]), logits.clone())
 
     expected = reference(hf, prompt, 10, adjust)
-    got, _, _ = run_alone(engine, BatchRequest(id=1, prompt=prompt, max_new_tokens=10, repetition_penalty=1.7))
+    got, _, _ = run_alone(engine, Request(id=1, prompt=prompt, max_tokens=10, repetition_penalty=1.7))
     assert got == expected
     assert got != reference(hf, prompt, 10, lambda logits, _: logits)  # the penalty changed something
 
@@ -65,7 +66,7 @@ def test_frequency_and_presence_penalties_are_openais(hf, tokenizer):
             logits[0, token] -= output.count(token) * 0.9 + 0.6
         return logits
 
-    got, _, _ = run_alone(hf, BatchRequest(id=2, prompt=prompt, max_new_tokens=12, frequency_penalty=0.9,
+    got, _, _ = run_alone(hf, Request(id=2, prompt=prompt, max_tokens=12, frequency_penalty=0.9,
                                            presence_penalty=0.6))
     assert got == reference(hf, prompt, 12, adjust)
     assert got != reference(hf, prompt, 12, lambda logits, _: logits)
@@ -76,27 +77,27 @@ def test_logit_bias_min_tokens_and_stop_ids(hf, tokenizer):
     eos, other = 0, 1000
     pushed = {eos: 100.0}
     # EOS made certain: it comes first and ends the request ...
-    tokens, _, reason = run_alone(hf, BatchRequest(id=3, prompt=prompt, max_new_tokens=8, eos_token_id=eos,
+    tokens, _, reason = run_alone(hf, Request(id=3, prompt=prompt, max_tokens=8, eos_token_id=eos,
                                                    logit_bias=pushed))
     assert (tokens, reason) == ([eos], "stop")
     # ... unless min_new_tokens holds it back (then the same rule as without the bias picks the others)
-    tokens, _, reason = run_alone(hf, BatchRequest(id=4, prompt=prompt, max_new_tokens=8, eos_token_id=eos,
-                                                   logit_bias=pushed, min_new_tokens=3))
+    tokens, _, reason = run_alone(hf, Request(id=4, prompt=prompt, max_tokens=8, eos_token_id=eos,
+                                                   logit_bias=pushed, min_tokens=3))
     assert len(tokens) == 4 and tokens[-1] == eos and eos not in tokens[:3] and reason == "stop"
     assert tokens[:3] == reference(hf, prompt, 3, lambda logits, _: logits.index_fill(1, torch.tensor([eos]),
                                                                                       float("-inf")))
     # a stop token id ends it like EOS
-    tokens, _, reason = run_alone(hf, BatchRequest(id=5, prompt=prompt, max_new_tokens=8, stop_token_ids=(other,),
+    tokens, _, reason = run_alone(hf, Request(id=5, prompt=prompt, max_tokens=8, stop_token_ids=(other,),
                                                    logit_bias={other: 100.0}))
     assert (tokens, reason) == ([other], "stop")
     # no EOS id (ignore_eos): the biased EOS is just a token
-    tokens, _, reason = run_alone(hf, BatchRequest(id=6, prompt=prompt, max_new_tokens=5, logit_bias=pushed))
+    tokens, _, reason = run_alone(hf, Request(id=6, prompt=prompt, max_tokens=5, logit_bias=pushed))
     assert (tokens, reason) == ([eos] * 5, "length")
 
 
 def test_logprobs_are_the_models_log_softmax(engine, hf, tokenizer):
     prompt = prompt_token_ids(tokenizer, 10, 2)
-    tokens, logprobs, _ = run_alone(engine, BatchRequest(id=7, prompt=prompt, max_new_tokens=6, logprobs=5))
+    tokens, logprobs, _ = run_alone(engine, Request(id=7, prompt=prompt, max_tokens=6, logprobs=5))
     full = torch.tensor([prompt + tokens])
     expected = torch.log_softmax(hf.logits(full, torch.ones_like(full))[0].float(), -1)
     assert len(logprobs) == len(tokens)
@@ -109,20 +110,22 @@ def test_logprobs_are_the_models_log_softmax(engine, hf, tokenizer):
 
 def test_prompt_logprobs_and_n_rows_sharing_one_prefill(hf, tokenizer):
     prompt = prompt_token_ids(tokenizer, 15, 4)
-    batch = open_batch(hf, 4, 128)
+    core = EngineCore(hf, 4, 128)
     calls = []
-    prefill = batch.decoder.prefill_alone
-    batch.decoder.prefill_alone = lambda *a: calls.append(1) or prefill(*a)
-    requests = [BatchRequest(id=10 + i, prompt=prompt, max_new_tokens=5, do_sample=True, temperature=0.9, seed=40 + i,
-                             prompt_logprobs=2 if i == 0 else None) for i in range(3)]
-    result = batch.step(requests)
-    assert len(calls) == 1 and result["prefill_tokens"] == len(prompt)  # three rows, one prefill
-    assert list(result["prompt_logprobs"]) == [10]
-    scored = result["prompt_logprobs"][10]
-    out = {r.id: list(result["tokens"][r.id]) for r in requests}
-    while batch.n:
-        result = batch.step()
-        for rid, tokens in result["tokens"].items():
+    prefill = core.runner.decoder.prefill_alone
+    core.runner.decoder.prefill_alone = lambda *a: calls.append(1) or prefill(*a)
+    requests = [Request(id=10 + i, prompt=prompt, max_tokens=5, do_sample=True, temperature=0.9, seed=40 + i,
+                        prompt_logprobs=2 if i == 0 else None) for i in range(3)]
+    for r in requests:
+        core.add(r)
+    result = core.step()
+    assert len(calls) == 1 and result.prompt_tokens == len(prompt)  # three rows, one prefill
+    assert list(result.prompt_logprobs) == [10]
+    scored = result.prompt_logprobs[10]
+    out = {r.id: list(result.tokens[r.id]) for r in requests}
+    while core.scheduler.has_work():
+        result = core.step()
+        for rid, tokens in result.tokens.items():
             out[rid] += tokens
     for r in requests:
         ids = torch.tensor([prompt])
@@ -141,15 +144,15 @@ def test_a_prompt_is_scored_once_for_all_the_choices_that_ask(hf, tokenizer):
     """n choices with echo + logprobs: one scoring forward, the same log-probabilities for each (before,
     each choice scored the prompt again: n = 64 cost 64 forwards in one engine step)."""
     prompt = prompt_token_ids(tokenizer, 15, 5)
-    batch = open_batch(hf, 4, 128)
+    core = EngineCore(hf, 4, 128)
     calls = []
-    score = batch.score
-    batch.score = lambda *a: calls.append(1) or score(*a)
-    requests = [BatchRequest(id=20 + i, prompt=prompt, max_new_tokens=2, prompt_logprobs=k)
-                for i, k in enumerate((3, 3, 3, 1))]
-    result = batch.step(requests)
+    score = core.runner.score
+    core.runner.score = lambda *a: calls.append(1) or score(*a)
+    for i, k in enumerate((3, 3, 3, 1)):
+        core.add(Request(id=20 + i, prompt=prompt, max_tokens=2, prompt_logprobs=k))
+    result = core.step()
     assert len(calls) == 1
-    scored = result["prompt_logprobs"]
+    scored = result.prompt_logprobs
     assert scored[20] == scored[21] == scored[22] and len(scored[20]) == len(prompt) - 1
     assert [(v, top[:1]) for v, top in scored[20]] == [(v, top) for v, top in scored[23]]  # top 1 of the same scores
 

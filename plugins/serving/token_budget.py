@@ -1,4 +1,6 @@
-"""A token budget that follows the machine: prompt tokens per step chosen from measured step times.
+"""How many prompt tokens an engine step computes: the scheduler's strategy object. Whole prompts, a
+fixed budget (vLLM's max_num_batched_tokens), or a budget that follows the machine: prompt tokens
+per step chosen from measured step times (`AdaptiveTokenBudget`, the default).
 
 A step that carries prompt chunks takes the decode step's time plus a cost per chunk token, and that
 cost differs ~20x across the CPUs this runs on (an AMX Xeon against an AVX2-only EPYC), so no fixed
@@ -30,6 +32,45 @@ ranks all run the same chunks.
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from plugins.serving.step import StepResult
+
+
+class TokenBudget(Protocol):
+    """The scheduler's strategy for prompt tokens per step."""
+
+    def next(self, rows: int, first_pending: int) -> float:
+        """Prompt tokens the next step may compute; `rows`: rows decoding in it, `first_pending`:
+        requests waiting for their first token (being prefilled or admitted with this step)."""
+
+    def observe(self, result: StepResult) -> None:
+        """The step's result: its phases' seconds and prompt tokens."""
+
+
+class WholePrompts:
+    """No limit: every admitted prompt is prefilled whole, in the step it is admitted."""
+
+    def next(self, rows: int, first_pending: int) -> float:
+        return float("inf")
+
+    def observe(self, result: StepResult) -> None:
+        pass
+
+
+class FixedTokenBudget:
+    """vLLM's `max_num_batched_tokens`: a step computes at most `tokens`, its decode rows included (a
+    step with more rows still computes one prompt token)."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def next(self, rows: int, first_pending: int) -> float:
+        return max(self.tokens - rows, 1)
+
+    def observe(self, result: StepResult) -> None:
+        pass
+
 
 class AdaptiveTokenBudget:
     def __init__(self, first: int = 16, least: int = 8, most: int = 2048, stretch: float = 1.75,
@@ -42,21 +83,18 @@ class AdaptiveTokenBudget:
         self.own_forward_tokens = own_forward_tokens
         self.decode_s: float | None = None     # seconds of a step that only decodes (moving average)
         self.token_s: float | None = None      # extra seconds per chunk token in a step (moving average)
-        self.rows = 0                          # rows decoding in the next step
-        self.prefilling = 0                    # requests whose prompt is partly computed
+        self.rows = 0                          # rows decoding in the step being planned
         self.queue_first = False               # this step serves the requests waiting for a first token
         self.own_forward = False               # the engine prefills chunks in forwards of their own
         self.tokens = first                    # this step's budget (the last `next()`)
         self._chunked = first                  # the budget of the last step that computed a chunk while rows decoded
 
-    def next(self, arriving: int = 0) -> int:
-        """Prompt tokens the next step may compute (decode rows not counted; 0: none this step);
-        `arriving`: requests admitted with this step."""
-        self.queue_first = 0 < self.rows < self.prefilling + arriving
-        if not self.rows or self.queue_first:
+    def next(self, rows: int, first_pending: int) -> float:
+        self.rows = rows
+        self.queue_first = 0 < rows < first_pending
+        if not rows or self.queue_first:
             self.tokens = self.most
-            return self.tokens
-        if self.own_forward:
+        elif self.own_forward:
             self.tokens = self.own_forward_tokens
         elif self.decode_s is None:
             self.tokens = 0   # a plain decode step: the allowance is made of its time
@@ -67,14 +105,11 @@ class AdaptiveTokenBudget:
             self.tokens = int(min(max(allowance / self.token_s, self.least), self.most, 2 * self._chunked))
         return self.tokens
 
-    def observe(self, result: dict) -> None:
-        """A step's result (`ContinuousBatch.step`): its phases' seconds, prompt tokens and rows after it."""
-        phases, chunk = result.get("step_s", {}), result.get("chunk_tokens", 0)
-        decoded, queue_first = self.rows > 0, self.queue_first
-        self.rows, self.prefilling = result.get("running", 0), result.get("prefilling", 0)
-        if not decoded:  # no row decoded as the step began: its phases are prompts and newly placed rows
+    def observe(self, result: StepResult) -> None:
+        phases, chunk = result.seconds, result.prompt_tokens
+        if not self.rows:  # no row decoded as the step began: its phases are prompts and newly placed rows
             return
-        if queue_first:  # a decode step and a stall the stretch did not choose: not a reading of either
+        if self.queue_first:  # a decode step and a stall the stretch did not choose: not a reading of either
             return
         if chunk:
             self._chunked = self.tokens
@@ -86,6 +121,13 @@ class AdaptiveTokenBudget:
         if "mixed" in phases:  # the chunk's share is what the step took beyond a decode step
             extra = max(phases["mixed"] - self.decode_s, 0.01 * self.decode_s)
             self.token_s = _average(self.token_s, extra / chunk, 0.5)
+
+
+def token_budget(max_batched_tokens: int | str | None) -> TokenBudget:
+    """The strategy for a `--max-num-batched-tokens` value: "auto", a token count, or None (whole prompts)."""
+    if max_batched_tokens == "auto":
+        return AdaptiveTokenBudget()
+    return WholePrompts() if max_batched_tokens is None else FixedTokenBudget(max_batched_tokens)
 
 
 def _average(old: float | None, new: float, weight: float) -> float:
