@@ -35,6 +35,8 @@ $(STAMP): requirements.txt pyproject.toml
 # another worker's process waits for).
 TEST_WORKERS ?= 2
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m plugins.kernels >/dev/null
 	OMP_NUM_THREADS=1 $(PY) -m plugins.kernels --kind bf16 >/dev/null
 	OMP_WAIT_POLICY=passive $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

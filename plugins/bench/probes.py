@@ -18,6 +18,7 @@ import torch
 
 from plugins import kernels
 from plugins.core.config import REPO_ROOT
+from plugins.core.tensors import default_device
 
 
 def _sync():
@@ -25,8 +26,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+device = default_device
 
 
 def measure_bandwidth(nbytes: int | None = None, repeats: int = 5) -> float:

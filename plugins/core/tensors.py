@@ -3,6 +3,8 @@ left-padded prompts, and the byte counts of tensors and of the KV cache (one hom
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import GPTBigCodeConfig
 
@@ -24,6 +26,23 @@ def storage_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return resolve_dtype(dtype, device="cuda")
 
 
+def default_device() -> str:
+    """Where engines run unless told: the GPU where there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def world_size() -> int:
+    """Ranks of this process's group: the group's size once it is up, else what torchrun / deepspeed set."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def needs_ranks(tp_size: int) -> bool:
+    """Whether an engine of `tp_size` ranks must start them (plugins.dist), or this process is one of them."""
+    return tp_size > world_size()
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
     """A torch dtype from a name; refuses fp16 where the device cannot run it (CPU)."""
     if isinstance(dtype, str):
@@ -32,7 +51,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.
         dtype = DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     if dtype == torch.float16 and device == "cpu":
         raise ConfigError("float16 is not supported on CPU (use bfloat16 or float32)")
     return dtype

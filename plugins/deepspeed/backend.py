@@ -30,7 +30,7 @@ from injection import SingleHeadCache, kv_shard
 from plugins import kernels
 from plugins.core.checkpoint import load_hf_model, read_hf_config
 from plugins.core.config import ConfigError
-from plugins.core.tensors import check_load, resolve_dtype
+from plugins.core.tensors import check_load, default_device, needs_ranks, resolve_dtype
 from plugins.deepspeed.decoder import InjectedDecoder, head_packs
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import GenerationResult
@@ -60,7 +60,7 @@ class DeepSpeedBackend(HFModelBackend):
                 nnodes: int = 1, rdzv_endpoint: str | None = None):
         """launcher, timeout_s, env, nnodes, rdzv_endpoint: how the ranks of tp_size > 1 are started
         (plugins.dist.launcher)."""
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or default_device()
         resolved = resolve_dtype(dtype, device)
         if "int4" in (quantize, (speculative or {}).get("draft")) and device != "cpu":
             raise ConfigError("int4 runs on CPU (our kernel or torch's CPU int4 kernel); use 'int8' on CUDA")
@@ -68,8 +68,7 @@ class DeepSpeedBackend(HFModelBackend):
         check_load(config, tp_size)  # before any rank starts or reads weights
         speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
         kv_shard.check_kv_layout(kv_layout, config.multi_query, tp_size)
-        dist = torch.distributed
-        if tp_size > 1 and not (dist.is_initialized() and dist.get_world_size() == tp_size):  # not in a rank
+        if needs_ranks(tp_size):
             from injection.compat import sweep_shm_segments
             from plugins.core.console import announce, extension_built
             from plugins.dist.launcher import RemoteBackend

@@ -17,12 +17,18 @@ from plugins.engine.sampling import Sampler
 class LocalBackend:
     """What every in-process backend shares: inputs checked before any compute, then moved to its device."""
 
+    name: str
     config: GPTBigCodeConfig
     device: str
     kv_layout = "head"  # KV cache over TP ranks: "head" (heads split, MQA's one head copied) or "batch"
     runs_elsewhere = False  # its ranks are other processes (plugins.dist): a model runner opens on each
     speculative: dict | None = None  # speculative decoding's checked options (deepspeed) ...
     draft = None                     # ... and the draft model's backend (None: prompt lookup)
+
+    @classmethod
+    def from_hf(cls, hf_dir, dtype="float32", tp_size: int = 1):
+        """Load an HF checkpoint directory (each engine takes its own options after these)."""
+        raise NotImplementedError
 
     def _prepare(self, input_ids, attention_mask, max_new_tokens=0):
         check_inputs(self.config, input_ids, attention_mask, max_new_tokens)

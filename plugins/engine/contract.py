@@ -64,6 +64,9 @@ class Backend(Protocol):
     def dead_worker(self) -> str | None:
         """Which of its worker processes died (None while all live, and in-process)."""
 
+    def open_runner(self, slots: int, capacity: int):
+        """Where `runs_elsewhere`: a model runner in every rank (plugins.serving.runner.open_runner)."""
+
 
 class Decoder(Protocol):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -22,6 +22,8 @@ class SingleHeadLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    keys: torch.Tensor      # allocated by `allocate` before any read
+    values: torch.Tensor
 
     def __init__(self, capacity: int, **kwargs):
         super().__init__()
@@ -82,6 +84,9 @@ class SingleHeadCache(Cache):
     (MQA, replicated) or n_head / tp_size heads (MHA).
     """
 
+    # only ours, built in __init__ (the base class types any layer)
+    layers: list[SingleHeadLayer]  # type: ignore[assignment]
+
     def __init__(self, config, max_length: int, batch: int | None = None, dtype: torch.dtype | None = None,
                  device="cpu", tp_size: int = 1):
         if max_length > config.n_positions:
@@ -111,9 +116,9 @@ class Segments:
     the pool's first `rows` rows, then each prompt chunk's tokens (its one-row cache, its length).
     Layers run their linears over all tokens at once and attend per segment on its own cache."""
 
-    pool: Cache
+    pool: SingleHeadCache
     rows: int
-    chunks: list[tuple[Cache, int]]
+    chunks: list[tuple[SingleHeadCache, int]]
 
     def layer(self, i: int) -> SegmentLayer:
         return SegmentLayer(self.pool.layers[i], self.rows, [(cache.layers[i], n) for cache, n in self.chunks])
@@ -135,8 +140,9 @@ def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | Segme
     layers = cache.layers
     while len(layers) <= layer_idx:  # caches built with layer_class_to_replicate grow lazily
         layers.append(SingleHeadLayer(capacity))
-    if not isinstance(layers[layer_idx], SingleHeadLayer):
-        if layers[layer_idx].get_seq_length() != 0:
+    layer = layers[layer_idx]
+    if not isinstance(layer, SingleHeadLayer):
+        if cache.get_seq_length(layer_idx) != 0:
             raise ValueError("cannot take over a cache that already holds tokens from another layer type")
-        layers[layer_idx] = SingleHeadLayer(capacity)
-    return layers[layer_idx]
+        layer = layers[layer_idx] = SingleHeadLayer(capacity)
+    return layer

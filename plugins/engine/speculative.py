@@ -71,7 +71,7 @@ class PromptLookupDraft:
 
     def __init__(self, ngram: int = 2):
         self.ngram = ngram
-        self.start = None
+        self.start: list[int] = []  # each row's left padding, set by `prefill`
 
     def prefill(self, input_ids, attention_mask, start_pos) -> None:
         self.start = (attention_mask.shape[1] - attention_mask.sum(-1)).tolist()  # left padding per row

@@ -8,7 +8,6 @@ with `plugins.dist.launcher` and returns its proxy, which forwards every call to
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -16,15 +15,10 @@ import torch.distributed as dist
 
 from plugins.core.checkpoint import check_memory, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError
-from plugins.core.tensors import position_ids, resolve_dtype
+from plugins.core.tensors import default_device, needs_ranks, position_ids, resolve_dtype
 from plugins.engine.backend import LocalBackend
 from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
 from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
 
 LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s", "nnodes", "rdzv_endpoint")  # how ranks are started (plugins.dist.launcher)
 
@@ -48,7 +42,7 @@ class MegatronGPT(LocalBackend):
         self.config = config
         self.dtype = dtype
         self.tp_size = tp_size
-        self.device = self._device()
+        self.device = default_device()
 
     @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:
@@ -64,7 +58,7 @@ class MegatronGPT(LocalBackend):
         dtype = resolve_dtype(dtype)
         config = read_hf_config(hf_dir)
         check_config(config, tp_size, attention)
-        if tp_size > _world_size():
+        if needs_ranks(tp_size):
             return _remote("from_hf", hf_dir, dtype, tp_size, attention=attention, **options)
         _no_options(options)
         check_memory(config, dtype, str(hf_dir))
@@ -79,7 +73,7 @@ class MegatronGPT(LocalBackend):
         model = build_model(config, tp_size, dtype, attention=attention)
         shard = hf_to_mcore(hf_state, config, tp_size)[rank]
         load_rank_state(model, {k: v.to(dtype) for k, v in shard.items()})
-        return cls(model.to(cls._device()), config, dtype, tp_size)
+        return cls(model.to(default_device()), config, dtype, tp_size)
 
     @classmethod
     def from_megatron(cls, ckpt_dir: str | Path, dtype="float32", tp_size: int = 1, attention: str = "sdpa",
@@ -91,7 +85,7 @@ class MegatronGPT(LocalBackend):
         dtype = resolve_dtype(dtype)
         config = megatron_core.read_config(ckpt_dir)
         check_config(config, tp_size, attention)
-        if tp_size > _world_size():
+        if needs_ranks(tp_size):
             return _remote("from_megatron", ckpt_dir, dtype, tp_size, attention=attention, **options)
         _no_options(options)
         config, hf_state = megatron_core.read(ckpt_dir)
@@ -117,10 +111,6 @@ class MegatronGPT(LocalBackend):
         from plugins import kernels  # compat routes megatron's bf16 linears through the probe
 
         return kernels.paths(self.dtype, batch, prompt_len)
-
-    @staticmethod
-    def _device() -> str:
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @torch.inference_mode()
     def logits(self, input_ids, attention_mask):

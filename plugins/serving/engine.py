@@ -209,8 +209,9 @@ class ServingEngine:
                     self.metrics.finished.labels("error").inc()
                     outbox.setdefault(q.loop, []).append((q.queue, ("error", f"this request failed: {message}")))
             self.metrics.step(now, new, result)
-            if self.metrics.step_budget is not None:
-                self.metrics.step_budget.set(self.scheduler.budget.tokens)
+            budget = self.scheduler.budget
+            if self.metrics.step_budget is not None and isinstance(budget, AdaptiveTokenBudget):
+                self.metrics.step_budget.set(budget.tokens)
             self.metrics.kv(self.kv)
             self.metrics.running.set(self.scheduler.held)
             self.metrics.slots_used.set(self.scheduler.held)

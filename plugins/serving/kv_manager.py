@@ -134,7 +134,7 @@ class KVManager:
             return None
         hashes = self._hashes(tokens)
         n, held = self._find(tokens, hashes)
-        if n == len(tokens):  # already held, maybe inside a longer entry
+        if held is not None and n == len(tokens):  # already held, maybe inside a longer entry
             self._lru.move_to_end(held.id)
             return None
         nbytes = len(tokens) * self.info.token_bytes

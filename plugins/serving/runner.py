@@ -158,6 +158,7 @@ class ModelRunner:
     def _place_complete(self, step: SchedulerOutput, result: StepResult) -> None:
         for key, fill in [(k, f) for k, f in self.fills.items() if f.done == len(f.prompt)]:
             del self.fills[key]
+            assert fill.kv is not None and fill.logits is not None  # a whole prompt is computed
             if key in step.keep:
                 entry, tokens = step.keep[key]
                 self.entries[entry] = [t.narrow(self.decoder.time_dim, 0, tokens).clone(
@@ -181,6 +182,7 @@ class ModelRunner:
 
     def _place(self, request: Request, fill: _Fill, result: StepResult) -> None:
         """Sample the first token from the complete prompt's logits, then copy its KV into a new row."""
+        assert fill.kv is not None and fill.logits is not None
         row = Row.of(request)
         if request.prompt_logprobs is not None:
             result.prompt_logprobs[request.id] = self._prompt_logprobs(fill, request.prompt_logprobs)
@@ -202,20 +204,20 @@ class ModelRunner:
             fill.scored[k] = [top_logprobs(fill.scores[i - 1], token, k) for i, token in enumerate(fill.prompt) if i > 0]
         return fill.scored[k]
 
-    def _decode(self, result: StepResult, speculate: bool, chunks=None) -> list | None:
+    def _decode(self, result: StepResult, speculate: bool, chunks=None) -> list:
         """One decode step of every row; with `chunks`, in one forward with those prompt chunks
         (`BatchDecoder.mixed`), whose (logits, KV) it returns."""
         pool, n, start = self.pool, self.n, time.perf_counter()
-        proposals = None
-        if speculate and self.proposer and not chunks:
-            fits = pool.room(self.proposer.k + 1) - 1
+        proposer, proposals = self.proposer, None
+        if speculate and proposer is not None and not chunks:
+            fits = pool.room(proposer.k + 1) - 1
             if fits >= 1:
-                proposals = self.proposer.proposals(self.rows, pool, fits)
-        if proposals is not None:
-            made = self._speculate(proposals, result)
-            seconds, self.proposer.catch_up_s = time.perf_counter() - start - self.proposer.catch_up_s, 0.0
+                proposals = proposer.proposals(self.rows, pool, fits)
+        if proposer is not None and proposals is not None:
+            made = self._speculate(proposer, proposals, result)
+            seconds, proposer.catch_up_s = time.perf_counter() - start - proposer.catch_up_s, 0.0
             result.decode = DecodeReading(n, True, made, seconds)
-            return None
+            return []
         pool.room(1)
         t = pool.t
         pool.mask[:n, t] = 1
@@ -223,7 +225,7 @@ class ModelRunner:
         if chunks:
             logits, chunked = self.decoder.mixed(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n], chunks)
         else:
-            logits, chunked = self.decoder.decode(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n]), None
+            logits, chunked = self.decoder.decode(pool.last[:n], pool.mask[:n, :t + 1], pool.pos[:n]), []
         pool.t += 1
         pool.pos[:n] += 1
         if all(row.plain for row in self.rows):
@@ -235,7 +237,7 @@ class ModelRunner:
             result.decode = DecodeReading(n, False, n, time.perf_counter() - start)
         return chunked
 
-    def _speculate(self, proposals: list[list[int]], result: StepResult) -> int:
+    def _speculate(self, proposer: Proposer, proposals: list[list[int]], result: StepResult) -> int:
         """One verify forward of every row's next token and its proposals (padded to the longest); each
         row keeps what the model confirms, the other columns stay masked. Returns the tokens kept."""
         pool, n, t = self.pool, self.n, self.pool.t
@@ -252,12 +254,13 @@ class ModelRunner:
         kept: list[list[int] | None] = []
         for r, (row, proposal) in enumerate(zip(self.rows, proposals)):
             if row.greedy:
-                tokens = self.proposer.accept(proposal, greedy[r])
-                ends = [j for j, token in enumerate(tokens) if token in row.rules.stop_ids]
-                kept.append(tokens[:ends[0] + 1] if ends else tokens)  # nothing after a stop token
+                confirmed = proposer.accept(proposal, greedy[r])
+                ends = [j for j, token in enumerate(confirmed) if token in row.rules.stop_ids]
+                confirmed = confirmed[:ends[0] + 1] if ends else confirmed  # nothing after a stop token
+                kept.append(confirmed)
                 if row.request.logprobs is not None:
                     result.logprobs.setdefault(row.request.id, []).extend(
-                        top_logprobs(logits[r, j], token, row.request.logprobs) for j, token in enumerate(kept[-1]))
+                        top_logprobs(logits[r, j], token, row.request.logprobs) for j, token in enumerate(confirmed))
             else:
                 token = self._choose(row, logits[r, :1], result)
                 kept.append(None if token is None else [token])
@@ -267,7 +270,7 @@ class ModelRunner:
             pool.pos[r] += accepted + 1
         pool.t += width
         pool.holes = True
-        self.proposer.steps += 1
+        proposer.steps += 1
         self._keep(kept, result)
         return sum(len(k) for k in kept if k)
 
@@ -340,11 +343,12 @@ def open_runner(backend: Backend, slots: int, capacity: int):
     proposer, draft_bytes = None, 0
     spec = backend.speculative
     if spec:
-        draft = backend.draft
-        if draft is not None:
-            if capacity > draft.config.n_positions:
-                raise ConfigError(f"capacity {capacity} exceeds the draft model's n_positions {draft.config.n_positions}")
-            draft = draft.batch_decoder(slots, capacity)
+        draft = None
+        if backend.draft is not None:
+            if capacity > backend.draft.config.n_positions:
+                raise ConfigError(f"capacity {capacity} exceeds the draft model's n_positions "
+                                  f"{backend.draft.config.n_positions}")
+            draft = backend.draft.batch_decoder(slots, capacity)
             decoder = DraftedDecoder(decoder, draft)
             draft_bytes = tensor_bytes(draft.pool_tensors())
         proposer = Proposer(spec["k"], spec.get("ngram", 2), draft=draft)

@@ -73,7 +73,7 @@ class SpeculationPolicy:
         old = r.verify if verified else r.plain
         r.readings[verified] += 1
         # a kind's first step at a batch size runs its shapes for the first time: its second replaces it
-        new = rate if r.readings[verified] <= 2 else (1 - SMOOTHING) * old + SMOOTHING * rate
+        new = rate if old is None or r.readings[verified] <= 2 else (1 - SMOOTHING) * old + SMOOTHING * rate
         if verified:
             r.verify, r.plain_steps = new, 0
             if r.plain is not None:  # a try that loses waits twice as long for the next
@@ -97,7 +97,8 @@ class Proposer:
     def proposals(self, rows, pool, fits: int) -> list[list[int]] | None:
         """Each row's proposal, at most `fits` tokens (empty for a row that samples or has logit rules,
         or has no match); None when nothing is proposed."""
-        rooms = [min(self.k, fits, row.left - 1) if row.greedy else 0 for row in rows]  # the model's own token always comes
+        # the model's own token always comes
+        rooms = [min(self.k, fits, row.left - 1) if row.greedy else 0 for row in rows]
         if max(rooms) < 1:
             return None
         if self.draft is not None:

@@ -125,7 +125,9 @@ class AdaptiveTokenBudget:
 
 def token_budget(max_batched_tokens: int | str | None) -> TokenBudget:
     """The strategy for a `--max-num-batched-tokens` value: "auto", a token count, or None (whole prompts)."""
-    if max_batched_tokens == "auto":
+    if isinstance(max_batched_tokens, str):
+        if max_batched_tokens != "auto":
+            raise ValueError(f"a token budget is a count, None or 'auto', got {max_batched_tokens!r}")
         return AdaptiveTokenBudget()
     return WholePrompts() if max_batched_tokens is None else FixedTokenBudget(max_batched_tokens)
 
