@@ -3,6 +3,8 @@
 # `make clients` (opt-in) installs third-party clients the server tests run: lm-evaluation-harness in
 # .venv; the benchmark clients aiperf and guidellm, and TGI's text-generation client, each in a venv of its own
 # (their pins clash with ours).
+# `make triton` (opt-in) installs NVIDIA Triton Inference Server (the one nvidia-pytriton's wheel bundles) and
+# Triton's client, tritonclient, in .venv-triton (it pins numpy<2): what `mqa-triton` runs and its tests drive.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +15,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test compare bench-hf peers clients clean
+.PHONY: setup test compare bench-hf peers clients triton clean
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -54,6 +56,8 @@ peers: setup
 
 clients: $(VENV)/.clients-done .venv-aiperf/.done .venv-guidellm/.done .venv-tgi/.done
 
+triton: .venv-triton/.done
+
 $(VENV)/.clients-done: requirements-clients.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-clients.txt
 	@touch $@
@@ -64,4 +68,4 @@ $(VENV)/.clients-done: requirements-clients.txt $(STAMP)
 	@touch $@
 
 clean:
-	rm -rf $(VENV) .venv-aiperf .venv-guidellm .venv-tgi .cache results checkpoints
+	rm -rf $(VENV) .venv-aiperf .venv-guidellm .venv-tgi .venv-triton .cache results checkpoints

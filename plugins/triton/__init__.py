@@ -1,0 +1,1 @@
+"""Our engine behind NVIDIA Triton Inference Server (`mqa-triton`): docs/deployment.md."""

@@ -1,0 +1,5 @@
+import sys
+
+from plugins.triton.cli import main
+
+sys.exit(main())
