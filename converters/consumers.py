@@ -38,7 +38,8 @@ NVIDIA_LEGACY_LAYER = {
     "input_norm.weight": TENSOR, "input_norm.bias": TENSOR,
     "self_attention.query_key_value.weight": TENSOR, "self_attention.query_key_value.bias": TENSOR,
     "self_attention.query_key_value._extra_state": None,
-    "self_attention.dense.weight": TENSOR, "self_attention.dense.bias": TENSOR, "self_attention.dense._extra_state": None,
+    "self_attention.dense.weight": TENSOR, "self_attention.dense.bias": TENSOR,
+    "self_attention.dense._extra_state": None,
     "post_attention_norm.weight": TENSOR, "post_attention_norm.bias": TENSOR,
     "mlp.dense_h_to_4h.weight": TENSOR, "mlp.dense_h_to_4h.bias": TENSOR, "mlp.dense_h_to_4h._extra_state": None,
     "mlp.dense_4h_to_h.weight": TENSOR, "mlp.dense_4h_to_h.bias": TENSOR, "mlp.dense_4h_to_h._extra_state": None,
@@ -47,7 +48,8 @@ NVIDIA_LEGACY_LAYER = {
 # attention is `query` + `key_value`.
 _FORK_COMMON = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.dense.weight",
                 "self_attention.dense.bias", "post_attention_layernorm.weight", "post_attention_layernorm.bias",
-                "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+                "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight",
+                "mlp.dense_4h_to_h.bias")
 FORK_LAYER = {
     "multiquery": _FORK_COMMON + ("self_attention.query.weight", "self_attention.query.bias",
                                   "self_attention.key_value.weight", "self_attention.key_value.bias"),
@@ -88,7 +90,8 @@ def check_strict(where: str, got: dict, want: dict, consumer: str) -> None:
     if unexpected or missing:
         first = f"unexpected key {unexpected[0]!r}" if unexpected else f"missing key {missing[0]!r}"
         more = len(missing) + len(unexpected) - 1
-        also = f" (and {more} more{', e.g. missing ' + repr(missing[0]) if unexpected and missing else ''})" if more else ""
+        also = (f" (and {more} more{', e.g. missing ' + repr(missing[0]) if unexpected and missing else ''})"
+                if more else "")
         raise ConversionError(f"{where}: {consumer} would refuse it in a strict load: {first}{also}")
     for key, w in want.items():
         g = got[key]
@@ -201,7 +204,8 @@ def mcore_sharded_keys(config: GPTBigCodeConfig, padded_vocab: int) -> dict:
 
 # --------------------------------------------------------------------------- Megatron-LM legacy, BigCode fork
 
-def legacy_stage_keys(n_layers: int, first: bool, last: bool, tied: bool, pp: int, fork_heads: str | None = None) -> dict:
+def legacy_stage_keys(n_layers: int, first: bool, last: bool, tied: bool, pp: int,
+                      fork_heads: str | None = None) -> dict:
     """A legacy-model stage file's flattened keys ('/' between levels) as NVIDIA's legacy GPT model (fork_heads
     None) or BigCode's fork ("multiquery" / "multihead") loads them, after NVIDIA's layernorm -> norm rename."""
     want = {}

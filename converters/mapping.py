@@ -245,7 +245,8 @@ def entries(config: GPTBigCodeConfig, s: Layout):
 def _by_layer(config, s):
     """Entries in model order (embeddings, layer 0, ..., layer n-1, final norm, head)."""
     items = list(entries(config, s))
-    order = lambda e: -1 if e[0] is None and "transformer.w" in e[1] else (config.n_layer if e[0] is None else e[0])
+    def order(e):
+        return -1 if e[0] is None and "transformer.w" in e[1] else (config.n_layer if e[0] is None else e[0])
     return sorted(items, key=order)
 
 

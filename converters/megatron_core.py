@@ -250,7 +250,8 @@ def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:
             except Exception as e:
                 raise ConversionError(f"{src}: cannot read {key}: {type(e).__name__}: {e}") from None
             if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
-                raise ConversionError(f"{src}: {key} chunk at {tuple(chunk.offsets)} is not a {tuple(chunk.sizes)} tensor")
+                raise ConversionError(f"{src}: {key} chunk at {tuple(chunk.offsets)} is not a "
+                                      f"{tuple(chunk.sizes)} tensor")
             full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = part
             covered += part.numel()
         if covered != full.numel():

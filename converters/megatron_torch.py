@@ -28,10 +28,12 @@ import torch
 from transformers import GPTBigCodeConfig
 
 from converters import consumers
-from converters.mapping import ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf, padded_vocab_size, stored_dtype
+from converters.mapping import (ConversionError, check_megatron_config, hf_to_megatron, megatron_to_hf,
+                                padded_vocab_size, stored_dtype)
 from converters.megatron_legacy import config_from_args, make_args
 from converters.megatron_pt import load_checkpoint_file
-from converters.stages import FILE, MCORE, layers_per_stage, rank_dir, read_layout, read_stages, save_stages, split_stages
+from converters.stages import (FILE, MCORE, layers_per_stage, rank_dir, read_layout, read_stages, save_stages,
+                               split_stages)
 from plugins.core.config import kv_heads
 
 SPECS = {"local": "mcore", "te": "mcore-te"}  # --layer-spec -> the mapping table's dialect

@@ -91,7 +91,8 @@ def stage_files(d: Path) -> list[Path]:
 def layers_per_stage(args: Namespace, pp: int) -> list[int]:
     """How many transformer layers each pipeline stage holds, as Megatron-LM splits them."""
     n = args.num_layers
-    first, last = getattr(args, "decoder_first_pipeline_num_layers", None), getattr(args, "decoder_last_pipeline_num_layers", None)
+    first, last = (getattr(args, "decoder_first_pipeline_num_layers", None),
+                   getattr(args, "decoder_last_pipeline_num_layers", None))
     standalone = getattr(args, "standalone_embedding_stage", False) or getattr(
         args, "account_for_embedding_in_pipeline_split", False)
     if pp == 1:
@@ -111,7 +112,8 @@ def layers_per_stage(args: Namespace, pp: int) -> list[int]:
         return counts
     if standalone:  # the first stage holds the embeddings only
         if n % (pp - 1):
-            raise ConversionError(f"args: {n} layers do not split evenly over {pp - 1} stages after the embedding stage")
+            raise ConversionError(f"args: {n} layers do not split evenly over {pp - 1} stages "
+                                  "after the embedding stage")
         return [0] + [n // (pp - 1)] * (pp - 1)
     if n % pp:
         raise ConversionError(f"args: num_layers {n} is not divisible by pipeline_model_parallel_size {pp}, and "
@@ -176,7 +178,8 @@ def merge_stages(stages: list[dict], counts: list[int], tied: bool, where: str, 
     for s, (stage, count) in enumerate(zip(stages, counts)):
         local = sorted({int(m.group(1)) for m in map(names.layer.match, stage) if m})
         if local != list(range(count)):
-            raise ConversionError(f"{where}: pipeline stage {s} holds layers {local[:4]}{'...' if len(local) > 4 else ''}"
+            raise ConversionError(f"{where}: pipeline stage {s} holds layers "
+                                  f"{local[:4]}{'...' if len(local) > 4 else ''}"
                                   f" ({len(local)}), the args say {count}")
         for key, t in stage.items():
             m = names.layer.match(key)
@@ -184,7 +187,8 @@ def merge_stages(stages: list[dict], counts: list[int], tied: bool, where: str, 
                 key = names.layer_format.format(start + int(m.group(1)), m.group(2))
             elif key == names.head_copy and (copy or names is LEGACY):
                 if s != last:
-                    raise ConversionError(f"{where}: pipeline stage {s} holds {key} (the head's copy belongs to the last)")
+                    raise ConversionError(f"{where}: pipeline stage {s} holds {key} "
+                                          "(the head's copy belongs to the last)")
                 continue
             elif key.startswith(names.embedding) and s != 0:
                 raise ConversionError(f"{where}: pipeline stage {s} holds {key} (embeddings belong to stage 0)")

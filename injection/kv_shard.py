@@ -112,7 +112,8 @@ def shard_kv_by_batch(model) -> None:
     layers = [m for m in model.modules() if isinstance(m, DeepSpeedGPTBigCodeInference)]
     if not layers:
         raise KVLayoutError("kv_layout='batch' needs the injected gpt_bigcode layers "
-                            "(deepspeed.init_inference(..., replace_with_kernel_inject=True) after injection.register())")
+                            "(deepspeed.init_inference(..., replace_with_kernel_inject=True) "
+                            "after injection.register())")
     for layer in layers:
         attn = layer.attention
         if layer.kv_heads != 1:

@@ -19,4 +19,5 @@ def assert_nothing_left(dst):
 
 def hub_of(model):
     """The HF state dict as a hub checkpoint holds it (no lm_head.weight when tied)."""
-    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+    return {k: v for k, v in model.state_dict().items()
+            if k != "lm_head.weight" or not model.config.tie_word_embeddings}

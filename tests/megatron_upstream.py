@@ -40,7 +40,8 @@ def add_our_meta(d, padded_vocab, tp_size=1):
 # megatron-core 0.19 (PR #5160, serialization.py of core_v0.19.0) keeps the common (non-sharded) state inside the
 # dist checkpoint, as this ShardedObject (global shape (1,), offset (0,)), instead of writing common.pt.
 COMMON_STATE = "common_state/shard_0_1"
-CONFIG_019 = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}  # its CheckpointingConfig: no common_backend
+# its CheckpointingConfig: no common_backend
+CONFIG_019 = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
 def save_like_megatron_core_019(sharded_state_dict: dict, checkpoint_dir: Path) -> None:

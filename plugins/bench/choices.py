@@ -72,7 +72,8 @@ def measured(url: str, bodies: list[dict]) -> dict:
     after = counters(url)
     delta = {k: after[k] - before[k] for k in before}
     texts = [c["text"] for a in answers for c in sorted(a["choices"], key=lambda c: c["index"])]
-    return {"wall_s": wall, "requests": len(bodies), "choices": len(texts), "tokens_per_s": delta["generation_tokens"] / wall,
+    return {"wall_s": wall, "requests": len(bodies), "choices": len(texts),
+            "tokens_per_s": delta["generation_tokens"] / wall,
             **delta, "prefill_share": delta["prefill_tokens"] / (delta["prefill_tokens"] + delta["generation_tokens"]),
             "texts": texts}
 
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
     (out / "choices.json").write_text(json.dumps(result, indent=2))
     print(f"n = {args.n} of one {args.prompt_len}-token prompt x {args.max_tokens} tokens: one request "
           f"{shared['wall_s']:.2f} s ({shared['prefill_tokens']:.0f} prompt tokens computed), {args.n} requests "
-          f"{separate['wall_s']:.2f} s ({separate['prefill_tokens']:.0f}): {separate['wall_s'] / shared['wall_s']:.2f}x; "
+          f"{separate['wall_s']:.2f} s ({separate['prefill_tokens']:.0f}): "
+          f"{separate['wall_s'] / shared['wall_s']:.2f}x; "
           f"samples identical: {same}")
     print(f"pass@k {args.passk_prompts} x n {args.passk_n} x {args.passk_max_tokens} tokens: {passk['wall_s']:.1f} s, "
           f"{passk['tokens_per_s']:.1f} tokens/s, prefill share {passk['prefill_share']:.1%} of tokens computed")

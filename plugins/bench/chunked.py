@@ -10,7 +10,8 @@ prompts; prefix cache off): --streams greedy streams of --stream-prompt + --stre
 together; once they all have their first token, --long requests of --long-prompt tokens arrive
 --long-gap seconds apart. Reported: the streams' inter-token latency (p50, p99, max: how long a
 prompt stalls them), TTFT of the long requests, output tokens/s over the run, and the server's step
-time by phase (/metrics: prefill alone, decode alone, or both in one forward). Prints a table and writes results/chunked-<timestamp>/{chunked.json, server-*.log}.
+time by phase (/metrics: prefill alone, decode alone, or both in one forward).
+Prints a table and writes results/chunked-<timestamp>/{chunked.json, server-*.log}.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.bench.load import (Req, ServerProcess, http_client, make_requests, open_connections, percentile, results_dir,
-                                served_model, stream_one)
+from plugins.bench.load import (Req, ServerProcess, http_client, make_requests, open_connections, percentile,
+                                results_dir, served_model, stream_one)
 from plugins.serving.args import add_engine_args, token_budget
 
 
@@ -128,7 +129,8 @@ def run_budget(args, budget: int, streams: list[Req], longs: list[Req], out: Pat
         res[f"{phase}_mean_s"] = (after[f"{phase}_s"] - before[f"{phase}_s"]) / steps if steps else None
     res["itl_p99_over_p50"] = res["itl_p99_s"] / res["itl_p50_s"] if res["itl_p50_s"] else None
     chunk_steps = after["chunk_steps"] - before["chunk_steps"]
-    res["chunk_tokens_per_step"] = (after["chunk_tokens"] - before["chunk_tokens"]) / chunk_steps if chunk_steps else None
+    res["chunk_tokens_per_step"] = ((after["chunk_tokens"] - before["chunk_tokens"]) / chunk_steps
+                                    if chunk_steps else None)
     return res
 
 
@@ -140,13 +142,14 @@ def main(argv=None) -> int:
     out = results_dir(args.out, "chunked")
     streams = make_requests(tok, args.stream_prompt, [args.stream_tokens] * args.streams)
     longs = [Req(100 + r.index, r.prompt, r.prompt_ids, r.max_tokens)
-             for r in make_requests(tok, args.long_prompt, [args.long_tokens] * (args.streams + args.long))[args.streams:]]
+             for r in make_requests(tok, args.long_prompt,
+                                    [args.long_tokens] * (args.streams + args.long))[args.streams:]]
     results = [run_budget(args, b, streams, longs, out) for b in args.budgets]
     (out / "chunked.json").write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                                   "results": results}, indent=2))
     print("| budget | ITL p50 ms | ITL p99 ms | p99/p50 | ITL max ms | long TTFT p50 s | long TTFT max s | "
-          "stream TTFT p50 / max s | out tok/s | prefill / decode / mixed step ms (steps) | prompt tokens per chunked step "
-          "| errors |")
+          "stream TTFT p50 / max s | out tok/s | prefill / decode / mixed step ms (steps) | "
+          "prompt tokens per chunked step | errors |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"  # noqa: E731

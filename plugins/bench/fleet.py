@@ -156,7 +156,8 @@ def markdown(result: dict) -> str:
             ms = [f"{s[k] * 1000:.0f}" if s[k] is not None else "-" for k in
                   ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")]
             hit = f"{s['hit_rate']:.1%}" if "hit_rate" in s else "-"
-            lines.append(f"| {name} | {work} | {s['throughput_tok_s']:.1f} | {' | '.join(ms)} | {hit} | {s['errors']} |")
+            lines.append(f"| {name} | {work} | {s['throughput_tok_s']:.1f} | {' | '.join(ms)} | {hit} | "
+                         f"{s['errors']} |")
     return "\n".join(lines) + "\n"
 
 

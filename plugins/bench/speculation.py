@@ -108,7 +108,8 @@ def served(args, tok, out: Path) -> dict:
             for streams in args.streams:
                 announce(f"{name} ({' '.join(flags) or 'no options'}): {streams} streams")
                 before = counters(server.url)
-                rate = asyncio.run(burst(server.url, model, edit_prompts(tok, streams, args.prompt_len), args.max_tokens))
+                rate = asyncio.run(burst(server.url, model, edit_prompts(tok, streams, args.prompt_len),
+                                         args.max_tokens))
                 after = counters(server.url)
                 drafted = after["draft_tokens"] - before["draft_tokens"]
                 accepted = after["accepted_tokens"] - before["accepted_tokens"]

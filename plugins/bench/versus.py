@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     name = args.checkpoint_dir.resolve().name
     results = {}
     if args.skip_ours and (out / "versus.json").exists():
-        results = {w: {"ours": rows["ours"]} for w, rows in json.loads((out / "versus.json").read_text())["results"].items()
-                   if "ours" in rows}
+        results = {w: {"ours": rows["ours"]}
+                   for w, rows in json.loads((out / "versus.json").read_text())["results"].items() if "ours" in rows}
     servers = (["ours"] if not args.skip_ours else []) + (["vllm"] if args.vllm_python else [])
     for server_name in servers:
         if server_name == "ours":
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                                                              "results": results}, indent=2))
         finally:
             server.stop()
-    lines = ["| workload | server | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | completed | errors |",
+    lines = ["| workload | server | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
+             "completed | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
     for workload, rows in results.items():
         for server_name, r in rows.items():

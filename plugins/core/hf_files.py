@@ -20,7 +20,8 @@ from transformers import GenerationConfig
 
 from plugins.core.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, TOKENIZERS, check_vocab
 
-TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer.json", "tokenizer_config.json", "generation_config.json"
+TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG = ("tokenizer.json", "tokenizer_config.json",
+                                                       "generation_config.json")
 COMPANIONS = (TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG)
 ARCHITECTURES = ["GPTBigCodeForCausalLM"]  # config.json's model class: vLLM picks its implementation by it
 EOS = SPECIAL_TOKENS[0]

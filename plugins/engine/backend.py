@@ -1,5 +1,6 @@
 """What every in-process engine shares (HF, DeepSpeed, Megatron): inputs checked before any compute,
-the generate loop on the engine's own `decoder`, the option check against `from_hf`'s signature, and the defaults of the optional contract methods."""
+the generate loop on the engine's own `decoder`, the option check against `from_hf`'s signature,
+and the defaults of the optional contract methods."""
 
 from __future__ import annotations
 

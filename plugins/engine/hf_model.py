@@ -120,7 +120,8 @@ class PoolDecoder:
             positions = torch.arange(done, ids.shape[1], device=ids.device)[None]
             parts.append((self._chunk_cache(ids.shape[1], prefix), ids[:, done:], positions))
         logits, last = self.step.mixed(tokens, attention_mask, position_ids, parts)
-        return logits, [(chunk_logits, [t[:, :, :ids.shape[1]] for layer in cache.layers for t in (layer.keys, layer.values)])
+        return logits, [(chunk_logits, [t[:, :, :ids.shape[1]] for layer in cache.layers
+                                        for t in (layer.keys, layer.values)])
                         for chunk_logits, (cache, _, _), (ids, _) in zip(last, parts, chunks)]
 
 

@@ -37,7 +37,8 @@ class Sampler:
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         if not _number(min_p) or not 0.0 <= min_p <= 1.0:
             raise ConfigError(f"min_p must be a number in [0, 1], got {min_p!r}")
-        self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p = do_sample, temperature, top_k, top_p, min_p
+        self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p = (do_sample, temperature, top_k,
+                                                                                top_p, min_p)
         self.generator = torch.Generator().manual_seed(seed % SEED_SPAN)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

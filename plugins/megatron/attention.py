@@ -50,6 +50,7 @@ class SDPAttention(MegatronModule):
             k, v = k.contiguous(), v.contiguous()
         allowed = ~attention_mask  # [b, 1, sq, sk]; rows repeat for each head of the group
         if sq > 1 and per_group > 1:
-            allowed = allowed.unsqueeze(2).expand(b, 1, per_group, sq, allowed.shape[-1]).reshape(b, 1, per_group * sq, -1)
+            allowed = (allowed.unsqueeze(2).expand(b, 1, per_group, sq, allowed.shape[-1])
+                       .reshape(b, 1, per_group * sq, -1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return out.view(b, heads, sq, d).permute(2, 0, 1, 3).reshape(sq, b, heads * d)

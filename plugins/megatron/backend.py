@@ -20,7 +20,8 @@ from plugins.engine.backend import LocalBackend
 from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
 from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
 
-LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s", "nnodes", "rdzv_endpoint")  # how ranks are started (plugins.dist.launcher)
+# how ranks are started (plugins.dist.launcher)
+LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s", "nnodes", "rdzv_endpoint")
 
 
 def _no_options(options: dict) -> None:

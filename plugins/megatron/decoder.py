@@ -73,7 +73,8 @@ class MegatronPoolDecoder:
         ctx.enable_decode_mode()
 
     def pool_tensors(self):
-        return [t for layer in sorted(self.step.ctx.key_value_memory_dict) for t in self.step.ctx.key_value_memory_dict[layer]]
+        return [t for layer in sorted(self.step.ctx.key_value_memory_dict)
+                for t in self.step.ctx.key_value_memory_dict[layer]]
 
     def prefill_alone(self, input_ids, prefix=None):
         p = input_ids.shape[1]
@@ -86,7 +87,8 @@ class MegatronPoolDecoder:
             n = prefix[0].shape[0]
             kv = scratch.ctx.key_value_memory_dict
             for layer, keys, values in zip(range(1, len(prefix) // 2 + 1), prefix[0::2], prefix[1::2]):
-                kv[layer] = tuple(torch.zeros((p, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (keys, values))
+                kv[layer] = tuple(torch.zeros((p, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                                  for t in (keys, values))
                 kv[layer][0][:n].copy_(keys)
                 kv[layer][1][:n].copy_(values)
             scratch.ctx.sequence_len_offset = n

@@ -2,8 +2,8 @@
 `/v1/chat/completions` (plugins.serve.chat),
 TGI's `/generate`, `/generate_stream`, `/` and `/info` (plugins.serve.tgi), Ollama's `/api/generate` and
 `/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` and the
-render endpoints (plugins.serve.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load` (requests held, for
-routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
+render endpoints (plugins.serve.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load`
+(requests held, for routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Run as `mqa-serve`, `python -m plugins.serve` or `scripts/serve.py`.
        -d '{"model": "santacoder-1b", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
 The KV pool (slots x context, per rank) is allocated once from --kv-budget (at most --max-batch
-slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503). The served model id is the directory's name.
+slots); requests beyond its slots wait (up to --max-waiting, then HTTP 503).
+The served model id is the directory's name.
 
 What a client can hold is bounded: a request must arrive whole (headers and body) within
 --read-timeout seconds of its first byte, its body within --max-body-bytes (413), at most

@@ -58,7 +58,8 @@ async def generate(served: Served, http, body: bytes, arrived: float):
         raise RequestError("`prompt` is empty", "prompt")
     prompt = await served.prompt_ids(req.prompt, req.suffix)
     if o.num_predict == 0:
-        raise RequestError("`options.num_predict` must be >= 1 (or -1: to the end of the context)", "options.num_predict")
+        raise RequestError("`options.num_predict` must be >= 1 (or -1: to the end of the context)",
+                           "options.num_predict")
     max_tokens = served.capacity - len(prompt) if o.num_predict is None or o.num_predict < 0 else o.num_predict
     temperature = 0.8 if o.temperature is None else float(o.temperature)
     params = served.request(

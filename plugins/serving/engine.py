@@ -258,7 +258,8 @@ class ServingEngine:
             with self._cond:
                 failed += self._queues.values()
                 self._queues.clear()
-                for rid in list(self.scheduler.running) + [r for f in self.scheduler.fills.values() for r in f.requests]:
+                for rid in list(self.scheduler.running) + [r for f in self.scheduler.fills.values()
+                                                           for r in f.requests]:
                     self.scheduler.abort(rid)
                 self._cond.notify()
             self._stopped.wait(10)

@@ -35,7 +35,8 @@ class Metrics:
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
         self.steps = Counter("mqa_decode_steps", "Engine steps", registry=r)
         self.step_chunk = Histogram("mqa_step_prefill_tokens", "Prompt tokens computed per engine step "
-                                    "(chunked prefill)", registry=r, buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
+                                    "(chunked prefill)", registry=r,
+                                    buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
         self.step_budget = Gauge("mqa_step_token_budget", "Prompt tokens the last engine step could compute "
                                  "(--max-num-batched-tokens auto)", registry=r) if adaptive else None
         self.step_seconds = Histogram("mqa_step_seconds", "Engine step time by phase: prefill (prompt chunks "

@@ -201,7 +201,8 @@ class ModelRunner:
             ids = self._ids(fill.prompt)
             fill.scores = self.score(ids, torch.ones_like(ids))[0]
         if k not in fill.scored:
-            fill.scored[k] = [top_logprobs(fill.scores[i - 1], token, k) for i, token in enumerate(fill.prompt) if i > 0]
+            fill.scored[k] = [top_logprobs(fill.scores[i - 1], token, k)
+                              for i, token in enumerate(fill.prompt) if i > 0]
         return fill.scored[k]
 
     def _decode(self, result: StepResult, speculate: bool, chunks=None) -> list:

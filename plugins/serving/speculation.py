@@ -10,11 +10,12 @@ model's next token: 1 to k + 1 tokens per row per step (with log-probabilities f
 where asked). A row that proposes nothing, or samples, gets its one token as in a plain step.
 Rejected and padding columns stay in the pool, masked (`RowPool.holes`).
 
-Whether a step speculates is the scheduler's decision (`SpeculationPolicy`), measured, not tabled: a verify of k + 1 tokens per row costs more as
-the batch grows, and pays only with enough accepted tokens. Per batch size (rounded up to a power of
-two) the batch keeps the tokens/s its plain steps and its verify steps delivered (moving averages),
-speculates while that beats plain decoding, and tries again after PROBE_EVERY plain steps (twice as
-many after each try that loses, up to MAX_PROBE_EVERY).
+Whether a step speculates is the scheduler's decision (`SpeculationPolicy`), measured, not tabled: a
+verify of k + 1 tokens per row costs more as the batch grows, and pays only with enough accepted
+tokens. Per batch size (rounded up to a power of two) the batch keeps the tokens/s its plain steps
+and its verify steps delivered (moving averages), speculates while that beats plain decoding, and
+tries again after PROBE_EVERY plain steps (twice as many after each try that loses, up to
+MAX_PROBE_EVERY).
 `PLUGINS_SPECULATION=always` speculates at every step (the tests use it to exercise that path
 whatever this machine measures).
 """
@@ -106,7 +107,8 @@ class Proposer:
             return [p[:room] for p, room in zip(drafted, rooms)]
         out = []
         for row, room in zip(rows, rooms):
-            found = lookup_continuation(torch.tensor(row.request.prompt + row.output), room, self.ngram) if room > 0 else None
+            found = (lookup_continuation(torch.tensor(row.request.prompt + row.output), room, self.ngram)
+                     if room > 0 else None)
             out.append([] if found is None else found.tolist())
         return out if any(out) else None
 

@@ -138,7 +138,8 @@ def complete(model, tok, methods: list[Method], prompt_tokens: int = 400, new_to
 
     keep = min(prompt_tokens, model.config.n_positions - new_tokens)  # the prompt and the answer fit the model
     if keep < 1:
-        raise ValueError(f"{new_tokens} new tokens leave no room for a prompt in n_positions {model.config.n_positions}")
+        raise ValueError(f"{new_tokens} new tokens leave no room for a prompt in n_positions "
+                         f"{model.config.n_positions}")
     out = []
     for m in methods:
         ids = tok.encode(m.prefix).ids[-keep:]

@@ -4,8 +4,8 @@ The model starts from the project's seeded init (plugins.core.checkpoint.init_mo
 AdamW (linear warmup, cosine decay) on windows of the stdlib train split, and is written as an HF
 directory (complete, like the seeded checkpoints: plugins.core.checkpoint.write_hf_files, whose
 `tokenizer.json` is the one it was trained with, what `checkpoint_tokenizer` finds) plus
-`train_log.json` and `loss.png`, atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG, data position,
-step, log) goes to `state_dir`; a run started with that state continues it and ends with
+`train_log.json` and `loss.png`, atomically. Every `checkpoint_every` steps the whole state (weights, AdamW, RNG,
+data position, step, log) goes to `state_dir`; a run started with that state continues it and ends with
 the same weights as an uninterrupted run (same machine, same thread count).
 """
 

@@ -104,7 +104,8 @@ def test_openai_client_stream_stop_strings_and_seeded_sampling(server, engine, t
     model = Path(ckpt).name
     for i in range(20):  # a completion with a 3-character stop string that first occurs after its start
         prompt = prompt_text(tokenizer, i, 9)
-        full = server.client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+        full = server.client.completions.create(model=model, prompt=prompt, max_tokens=30,
+                                                temperature=0).choices[0].text
         at = next((j for j in range(2, len(full) - 3) if full.find(full[j:j + 3]) == j), None)
         if at is not None:
             break
@@ -280,10 +281,13 @@ def test_tp2_server_with_chunked_prefill_matches_generate_alone_and_leaves_no_wo
             texts = list(pool.map(ask, range(8)))
         for i, text in enumerate(texts):
             length, max_tokens = PROMPTS[i]
-            assert text == expected_text(engine, tokenizer, tokenizer.encode(prompt_text(tokenizer, i, length)).ids, max_tokens)[0]
+            assert text == expected_text(engine, tokenizer, tokenizer.encode(prompt_text(tokenizer, i, length)).ids,
+                                         max_tokens)[0]
         # no step computed more than 8 prompt tokens, and the prompts' 8 x ~17 tokens took many steps
-        assert server.metric('mqa_step_prefill_tokens_bucket{le="16.0"}') == server.metric("mqa_step_prefill_tokens_count")
-        assert server.metric("mqa_step_prefill_tokens_count") - server.metric('mqa_step_prefill_tokens_bucket{le="0.0"}') >= 10
+        assert server.metric('mqa_step_prefill_tokens_bucket{le="16.0"}') == \
+            server.metric("mqa_step_prefill_tokens_count")
+        assert server.metric("mqa_step_prefill_tokens_count") - \
+            server.metric('mqa_step_prefill_tokens_bucket{le="0.0"}') >= 10
     finally:
         assert server.stop() == 0, server.output()
     deadline = time.monotonic() + 10

@@ -361,7 +361,8 @@ def test_twinny_ollama_provider_gets_ollamas_stream(server, engine, tokenizer, m
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line.strip()]
     assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"]
-    assert "".join(line["response"] for line in lines) == text_of(tokenizer, greedy(engine, tokenizer.encode(prompt).ids, 9))
+    assert "".join(line["response"] for line in lines) == \
+        text_of(tokenizer, greedy(engine, tokenizer.encode(prompt).ids, 9))
     assert lines[-1]["eval_count"] == len(greedy(engine, tokenizer.encode(prompt).ids, 9))
     assert lines[-1]["done_reason"] in ("length", "stop")
     plain = httpx2.post(server.url + "/api/generate", json={**body, "stream": False}, timeout=60).json()

@@ -60,7 +60,8 @@ def read_response(sock) -> tuple[int, bytes]:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return int(head.split()[1]), body
@@ -77,7 +78,8 @@ CASES = (
     [(f"{name} {label}", lambda m, n=name, v=value: raw(m, f'"prompt": "def f(x):", "max_tokens": 8, "{n}": {v}'),
       200, None, None) for name, label, value in NUMBERS]
     + [(f"{name} {value!r}", lambda m, n=name, v=value: raw(
-        m, f'"prompt": "def f(x):", "max_tokens": 8, "{n}": {v!r}' + ("" if n == "temperature" else ', "temperature": 1')),
+        m, f'"prompt": "def f(x):", "max_tokens": 8, "{n}": {v!r}'
+        + ("" if n == "temperature" else ', "temperature": 1')),
         200, None, "greedy") for name, value in TINY]
     + [
         ("lone surrogate in prompt", lambda m: raw(m, '"prompt": "ab\\ud800cd"'), 400, "prompt", "lone surrogate"),
@@ -133,7 +135,8 @@ def test_no_bad_request_hurts_the_server_or_a_running_stream(ckpt, tokenizer, ba
                       b"Content-Length: %d\r\n\r\n{" % (5 << 20))
             status, body = read_response(s)
             assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]["message"], (status, body)
-        for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405), ("POST", "/v1/chat/x", 404)):
+        for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405),
+                                     ("POST", "/v1/chat/x", 404)):
             openai_error(httpx2.request(method, server.url + path, timeout=10), status)
         stream.join(120)
         assert streamed["text"] == greedy_alone(engine, tokenizer, prompt, 200)
@@ -178,7 +181,8 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenize
             time.sleep(0.05)
         prompt = tokenizer.decode(prompt_token_ids(tokenizer, 7, 2))
         with ThreadPoolExecutor(3) as pool:
-            good = pool.submit(stream_text, url, {"model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0})
+            good = pool.submit(stream_text, url,
+                               {"model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0})
             time.sleep(0.1)
             bad = pool.submit(httpx2.post, url + "/v1/completions", timeout=60,
                               json={"model": "tiny", "prompt": "x = 1", "max_tokens": 20, "temperature": 1.25})
@@ -244,8 +248,8 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_and_bursts_fill_free_
     server = Server(ckpt, "--backend", "hf", "--kv-budget", KV_BUDGET, max_waiting=0)
     model = Path(ckpt).name
     try:
-        body = json.dumps({"model": model, "prompt": tokenizer.decode(prompt_token_ids(tokenizer, 8, 1)), "max_tokens": 240,
-                           "temperature": 0}).encode()
+        body = json.dumps({"model": model, "prompt": tokenizer.decode(prompt_token_ids(tokenizer, 8, 1)),
+                           "max_tokens": 240, "temperature": 0}).encode()
         s = socket.create_connection(("127.0.0.1", server.port))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -276,7 +280,8 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_and_bursts_fill_free_
         assert server.stop() == 0, server.output()
 
 
-def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the_exit_is_nonzero(ckpt_factory, tokenizer):
+def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the_exit_is_nonzero(ckpt_factory,
+                                                                                                 tokenizer):
     ckpt = ckpt_factory("tiny-mha")
     server = Server(ckpt, "--backend", "deepspeed", "--tp", "2", "--kv-budget", "1MB")
     model = Path(ckpt).name
@@ -359,5 +364,6 @@ def test_max_token_bytes_bounds_every_token(tokenizer):
     from plugins.serve.served import max_token_bytes
 
     bound = max_token_bytes(tokenizer)
-    longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(tokenizer.get_vocab_size()))
+    longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
+                  for i in range(tokenizer.get_vocab_size()))
     assert longest <= bound

@@ -6,7 +6,6 @@ request raises the client's own ValidationError."""
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch

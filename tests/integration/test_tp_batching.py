@@ -55,4 +55,5 @@ def test_tp2_each_rank_reuses_its_share(tp2, tokenizer):
     assert on == off and stats["hits"] >= 2
     # rank 0's share of MHA: half the heads
     config = backend.config
-    assert stats["cached_bytes"] % (config.n_layer * 2 * (config.n_head // 2) * (config.n_embd // config.n_head) * 4) == 0
+    assert stats["cached_bytes"] % (config.n_layer * 2 * (config.n_head // 2)
+                                    * (config.n_embd // config.n_head) * 4) == 0

@@ -1,5 +1,6 @@
 """Atomic outputs (plugins.core.atomic): DST is absent, the old or the new complete output at every
-instant; racing writers, SRC inside DST, non-checkpoint DSTs (killed writers: tests/integration/test_fresh_processes.py)."""
+instant; racing writers, SRC inside DST, non-checkpoint DSTs
+(killed writers: tests/integration/test_fresh_processes.py)."""
 
 import os
 import threading

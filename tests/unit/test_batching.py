@@ -1,5 +1,6 @@
-"""Continuous batching (the engine core: plugins.serving.scheduler, runner, kv_manager) on every engine: requests that join and leave a running
-batch at different steps produce, token for token, what `generate` produces for each alone (fp32)."""
+"""Continuous batching (the engine core: plugins.serving.scheduler, runner, kv_manager) on every engine:
+requests that join and leave a running batch at different steps produce, token for token, what
+`generate` produces for each alone (fp32)."""
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def test_overlapping_requests_match_generate_alone(tiny_dir, tokenizer, name, op
     # the pool is allocated once, for SLOTS x CAPACITY tokens of one KV head (MQA) or n_head heads (MHA)
     config = backend.config
     kv_heads = 1 if config.multi_query else config.n_head
-    assert state["kv_pool_bytes"] == config.n_layer * 2 * SLOTS * CAPACITY * kv_heads * (config.n_embd // config.n_head) * 4
+    assert state["kv_pool_bytes"] == \
+        config.n_layer * 2 * SLOTS * CAPACITY * kv_heads * (config.n_embd // config.n_head) * 4
 
 
 @pytest.mark.parametrize("name", ["hf", "deepspeed", "megatron"])

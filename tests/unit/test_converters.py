@@ -20,7 +20,8 @@ from plugins.core.checkpoint import init_model, load_hf_model
 from plugins.core.config import kv_heads, load_model_config
 from plugins.hf import HFBackend
 
-_spec = importlib.util.spec_from_file_location("convert_script", Path(__file__).resolve().parents[2] / "scripts" / "convert.py")
+_spec = importlib.util.spec_from_file_location("convert_script",
+                                               Path(__file__).resolve().parents[2] / "scripts" / "convert.py")
 convert_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_script)
 convert_cli = convert_script.main
@@ -68,7 +69,8 @@ def test_mcore_shards_have_gptmodel_names_and_shapes(name):
     assert r1["decoder.final_layernorm.weight"].shape == (h,)
     assert not any("_extra_state" in k for k in r1) and "transformer.wte.weight" not in r1
     # pad rows are zeros on the last rank; real rows are the HF embedding
-    assert torch.equal(ranks[1]["embedding.word_embeddings.weight"][50000 - padded // 2:], torch.zeros(padded - 50000, h))
+    assert torch.equal(ranks[1]["embedding.word_embeddings.weight"][50000 - padded // 2:],
+                       torch.zeros(padded - 50000, h))
     if g == 1:  # MQA: rank 0 holds only query rows, rank 1 the rest of the query and K, V
         assert torch.equal(torch.cat([ranks[0]["decoder.layers.0.self_attention.linear_qkv.weight"],
                                       r1["decoder.layers.0.self_attention.linear_qkv.weight"]]),
@@ -122,7 +124,8 @@ def test_legacy_untied_padded_vocab_and_dtype(ckpt_factory, tmp_path):
     ck = load_rank(tmp_path / "legacy", 3)
     assert ck["args"].padded_vocab_size == 50176  # multiple of 128 * 4
     lm = ck["model"]["language_model"]
-    assert lm["output_layer"]["weight"].shape == (50176 // 4, 64) and lm["output_layer"]["weight"].dtype == torch.bfloat16
+    assert lm["output_layer"]["weight"].shape == (50176 // 4, 64) and \
+        lm["output_layer"]["weight"].dtype == torch.bfloat16
     convert(tmp_path / "legacy", tmp_path / "back", "megatron-legacy", "hf")
     _, w = read_hf(tmp_path / "back")
     _, w0 = read_hf(src)
@@ -206,7 +209,8 @@ def test_megatron_core_files_are_what_megatron_core_saves_and_loads(overrides, c
             assert ours[key].size == md.size and ours[key].properties.dtype == md.properties.dtype, key
 
     fresh = build_model(ref.config, 1)
-    loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "ours"), strict=StrictHandling.RAISE_ALL)
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path / "ours"),
+                                     strict=StrictHandling.RAISE_ALL)
     fresh.load_state_dict(loaded)
     _, ids, mask = padded_batch
     assert torch.equal(MegatronGPT(fresh, ref.config, torch.float32, 1).logits(ids, mask), ref.logits(ids, mask))
@@ -283,7 +287,8 @@ def test_float16_storage_works_on_cpu(ckpt_factory, tmp_path):
 
 def test_cli_converts_and_reports(ckpt_factory, tmp_path, capsys):
     src = ckpt_factory("tiny")
-    assert convert_cli(["--from", "hf", "--to", "megatron-legacy", "--tp", "2", "--quiet", str(src), str(tmp_path / "l")]) == 0
+    assert convert_cli(["--from", "hf", "--to", "megatron-legacy", "--tp", "2", "--quiet", str(src),
+                        str(tmp_path / "l")]) == 0
     out = capsys.readouterr().out
     assert "hf -> megatron-legacy (tp_size=2, pp_size=1, kv_heads=1): 28 tensors" in out and "MB written" in out
     assert convert_cli(["--from", "megatron-legacy", "--to", "hf", str(tmp_path / "l"), str(tmp_path / "l")]) == 2

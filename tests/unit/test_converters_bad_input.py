@@ -66,7 +66,8 @@ BAD = [  # (corruption, message)
     ("legacy-shape", r"TP rank 1: .*layers.1.self_attention.dense.weight has shape \(64, 64\), expected \(64, 32\)"),
     # MQA at TP=2 is stored as 2 identical K/V groups (NVIDIA's layout); copies that differ are 2 real KV heads
     ("legacy-kv-differs", r"supports only MQA \(1 KV head\) or MHA \(4 KV heads\), not 2 KV heads"),
-    ("legacy-layernorm-differs", r"layers.1.input_layernorm.weight: replicated tensor differs between TP ranks 0 and 1"),
+    ("legacy-layernorm-differs",
+     r"layers.1.input_layernorm.weight: replicated tensor differs between TP ranks 0 and 1"),
 ]
 
 
@@ -216,7 +217,8 @@ def test_nan_weights_are_named_not_blamed_on_the_read_back(ckpt_factory, tmp_pat
     import shutil
 
     shutil.copytree(ckpt_factory("tiny"), tmp_path / "src")
-    edit_safetensors(tmp_path / "src", lambda w: w["transformer.h.1.attn.c_proj.weight"].__setitem__((0, 0), float("nan")))
+    edit_safetensors(tmp_path / "src",
+                     lambda w: w["transformer.h.1.attn.c_proj.weight"].__setitem__((0, 0), float("nan")))
     with pytest.raises(ConversionError, match="transformer.h.1.attn.c_proj.weight holds NaN or infinite values"):
         convert(tmp_path / "src", tmp_path / "out", "hf", "megatron-legacy")
     assert_nothing_left(tmp_path / "out")

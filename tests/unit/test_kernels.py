@@ -159,8 +159,8 @@ def test_kernel_int8_saturated_sums_do_not_overflow(name):
     assert torch.allclose(out.float(), torch.full((1, 3), 127.0 * K), rtol=2 ** -8)
 
 
-@pytest.mark.parametrize("name", [n for n in RUNNABLE if n == "avx512f"] or [pytest.param("avx512f", marks=pytest.mark.skip(
-    reason="CPU without AVX512: no int8 GEMM on packed tiles runs here"))])
+@pytest.mark.parametrize("name", [n for n in RUNNABLE if n == "avx512f"] or [pytest.param(
+    "avx512f", marks=pytest.mark.skip(reason="CPU without AVX512: no int8 GEMM on packed tiles runs here"))])
 @pytest.mark.parametrize("rows", [1, 7, 101])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_int8_packed_tiles_equal_the_stored_weight_path(name, rows, gelu):

@@ -179,7 +179,8 @@ def test_lower_folders_import_no_engine(folder):
             continue
         for line, name in imports_of(module, path):
             assert not name.startswith(("plugins.hf", "plugins.deepspeed", "plugins.megatron", "plugins.bench",
-                                        "plugins.serve.", "plugins.peers")), f"{path.relative_to(REPO)}:{line} imports {name}"
+                                        "plugins.serve.", "plugins.peers")), \
+                f"{path.relative_to(REPO)}:{line} imports {name}"
 
 
 # ---- the rules catch what they are for: a small tree with one planted violation each ----------

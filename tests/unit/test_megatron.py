@@ -264,7 +264,8 @@ def test_compat_linears_run_the_probes_choice():
 
     compat.apply()
     for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
-        assert "linear_with_frozen_weight(input, weight" in inspect.getsource(compat.ORIGINAL[f"{cls.__name__}._forward_impl"])
+        assert "linear_with_frozen_weight(input, weight" in \
+            inspect.getsource(compat.ORIGINAL[f"{cls.__name__}._forward_impl"])
         assert "self._forward_impl(\n            input=input_parallel," in inspect.getsource(cls.forward)
     impl = layers.ColumnParallelLinear._forward_impl
     upstream = compat.ORIGINAL["ColumnParallelLinear._forward_impl"]
@@ -302,7 +303,8 @@ def test_bf16_batch1_decode_matches_fp32_hf(ckpt_factory, tokenizer, hf_models):
         dec.prefill(ids, mask, pos)
         steps = [dec.decode(nxt[i:i + 1], torch.ones(1, ids.shape[1] + i + 1, dtype=mask.dtype),
                             pos[:, -1:] + 1 + i).float() for i in range(3)]
-    want = hf_models(path).logits(torch.cat([ids, nxt.t()], 1), torch.ones(1, ids.shape[1] + 3, dtype=mask.dtype))[0, -3:]
+    want = hf_models(path).logits(torch.cat([ids, nxt.t()], 1),
+                                  torch.ones(1, ids.shape[1] + 3, dtype=mask.dtype))[0, -3:]
     err = (torch.cat(steps) - want).abs().max().item()
     assert err <= 1e-2, err
     m.close()

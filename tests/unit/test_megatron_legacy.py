@@ -16,7 +16,8 @@ from plugins.core.config import kv_heads
 # Megatron-LM core_v0.16.1 and HF transformers' megatron_gpt2 converter):
 NVIDIA_CHECK_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
                      "max_position_embeddings", "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
-                     "tensor_model_parallel_size", "pipeline_model_parallel_size")  # checkpointing.check_checkpoint_args
+                     "tensor_model_parallel_size",
+                     "pipeline_model_parallel_size")  # checkpointing.check_checkpoint_args
 NVIDIA_LOAD_ARGS = ("ffn_hidden_size", "seq_length", "kv_channels", "num_query_groups", "group_query_attention",
                     "position_embedding_type", "add_bias_linear", "add_qkv_bias", "swiglu",
                     "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization",
@@ -64,7 +65,8 @@ def test_tp2_pp2_round_trip_is_bit_exact(name, ckpt_factory, tmp_path):
             "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
     assert first["language_model"]["encoder"]["layers.0.self_attention.dense._extra_state"] is None
     enc = last["language_model"]["encoder"]  # layer 1 of the model is layer 0 of stage 1 (local index)
-    assert "layers.0.input_layernorm.weight" in enc and "final_layernorm.weight" in enc and "layers.1.mlp.dense_h_to_4h.bias" not in enc
+    assert "layers.0.input_layernorm.weight" in enc and "final_layernorm.weight" in enc and \
+        "layers.1.mlp.dense_h_to_4h.bias" not in enc
     assert "embedding" not in last["language_model"]
     emb = first["language_model"]["embedding"]["word_embeddings"]["weight"]
     assert torch.equal(last["word_embeddings_for_head"]["weight"], emb)  # tied: the head's copy, TP-sharded

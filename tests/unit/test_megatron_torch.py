@@ -177,7 +177,8 @@ def test_training_checkpoint_as_megatron_lm_writes_it(ckpt_factory, tmp_path):
     args = Namespace(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=16,
                      group_query_attention=True, num_query_groups=1, max_position_embeddings=256, seq_length=256,
                      padded_vocab_size=49152, position_embedding_type="learned_absolute", normalization="LayerNorm",
-                     add_bias_linear=True, swiglu=False, bias_gelu_fusion=True, untie_embeddings_and_output_weights=False,
+                     add_bias_linear=True, swiglu=False, bias_gelu_fusion=True,
+                     untie_embeddings_and_output_weights=False,
                      layernorm_epsilon=1e-5, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                      transformer_impl="local", ckpt_format="torch", params_dtype=torch.float32)
     gen = torch.Generator()
@@ -198,7 +199,8 @@ def test_training_checkpoint_as_megatron_lm_writes_it(ckpt_factory, tmp_path):
 
 def test_reading_the_wrong_format_is_one_clear_error(ckpt_factory, tmp_path):
     convert(ckpt_factory("tiny"), tmp_path / "legacy", "hf", "megatron-legacy")
-    with pytest.raises(ConversionError, match="not a megatron-core GPT model's state dict .*read it as megatron-legacy"):
+    with pytest.raises(ConversionError,
+                       match="not a megatron-core GPT model's state dict .*read it as megatron-legacy"):
         convert(tmp_path / "legacy", tmp_path / "hf", "megatron-torch", "hf")
     with pytest.raises(ConversionError, match="layer_spec must be one of local, te"):
         convert(ckpt_factory("tiny"), tmp_path / "x", "hf", "megatron-torch", layer_spec="transformer_engine")
@@ -221,7 +223,8 @@ def test_cli_writes_te_names_and_notes_that_legacy_is_gone(ckpt_factory, tmp_pat
     from converters.cli import main
 
     src = ckpt_factory("tiny")
-    assert main(["--from", "hf", "--to", "megatron-torch", "--layer-spec", "te", "--quiet", str(src), str(tmp_path / "t")]) == 0
+    assert main(["--from", "hf", "--to", "megatron-torch", "--layer-spec", "te", "--quiet", str(src),
+                 str(tmp_path / "t")]) == 0
     model = load(stage_file(tmp_path / "t", 0, 0, 1))["model"]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in model
     assert "current Megatron-LM" not in capsys.readouterr().err
@@ -248,7 +251,8 @@ class _Payload:
     ("truncated", r"cannot read .*mp_rank_01"),
     ("missing", r"TP rank 1: missing 1 tensor.*decoder.layers.0.mlp.linear_fc1.weight"),
     ("extra", r"TP rank 0: 1 unexpected tensor.*rotary_pos_emb.inv_freq"),
-    ("shape", r"TP rank 1: decoder.layers.1.self_attention.linear_proj.weight has shape \(64, 64\), expected \(64, 32\)"),
+    ("shape",
+     r"TP rank 1: decoder.layers.1.self_attention.linear_proj.weight has shape \(64, 64\), expected \(64, 32\)"),
     ("differs", r"decoder.layers.1.pre_mlp_layernorm.weight: replicated tensor differs between TP ranks 0 and 1"),
     ("pickle", r"(refus|Unsupported global|not an allowed global).*(posix|os).system"),
 ])

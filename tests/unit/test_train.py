@@ -160,7 +160,8 @@ def test_bench_rows_carry_quality(trained, tiny_yaml):
         "new_tokens": 6, "warmup": 0, "cycles": 1, "checkpoint_dir": str(trained[0].parent),
         "perplexity": {"windows": 2, "length": 16},
         "backends": [{"name": "hf", "label": "hf bf16", "dtype": "bfloat16"}, {"name": "hf", "label": "hf fp32"},
-                     {"name": "deepspeed", "label": "spec", "options": {"speculative": {"k": 2, "draft": str(tiny_yaml)}}}]})
+                     {"name": "deepspeed", "label": "spec",
+                      "options": {"speculative": {"k": 2, "draft": str(tiny_yaml)}}}]})
     machine = {"mem_bw": 1e10, "peak_flops": 1e11, "mem_bytes": 1e10, "link_bw": 1e10, "gemv_bw": 1e10,
                "gemm_dtype": "float32"}
     rows, skipped = run_grid(cfg, roofline.load_hardware("cpu-measured", machine), trained[0].parent, progress=False)
