@@ -30,7 +30,7 @@ class Sizes:
     def __init__(self, size):
         self.size, self.step = size, 0
 
-    def next(self, rows, first_pending):
+    def next(self, rows, pending, now):
         self.step += 1
         return self.size(self.step - 1)
 

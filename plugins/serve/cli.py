@@ -134,6 +134,8 @@ def check_args(ap, args) -> dict:
         ap.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.max_num_batched_tokens != "auto" and args.max_num_batched_tokens < 0:
         ap.error(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
+    if not (args.ttft_slo > 0 and args.itl_slo > 0):
+        ap.error("--ttft-slo and --itl-slo must be > 0 (seconds)")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
     for flag in ("graceful_timeout", "read_timeout", "keep_alive_timeout"):
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
                            **engine_options(args), **launch)
     try:
         engine = ServingEngine(backend, slots, capacity, args.max_waiting, args.prefix_cache,
-                               max_batched_tokens(args))
+                               max_batched_tokens(args), args.ttft_slo, args.itl_slo)
     except BaseException:
         backend.close()
         raise

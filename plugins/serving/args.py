@@ -6,10 +6,10 @@ from pathlib import Path
 
 from plugins.core.config import byte_size
 from plugins.engine.registry import BACKENDS
+from plugins.serving.token_budget import ITL_SLO_S, TTFT_SLO_S
 
-# Prompt tokens per engine step from measured step times (plugins.serving.step_budget): a fixed budget
-# that kept streams' ITL p99 within 2.5x p50 on an AMX Xeon let it reach 9-13x on AVX2 / AVX512F CPUs
-# (docs/results/2026-12-04-adaptive-token-budget.md).
+# Prompt tokens per engine step for goodput, from measured step times (plugins.serving.token_budget): no
+# fixed budget suits every CPU here (a chunk token costs ~20x more on an AVX2 EPYC than on an AMX Xeon).
 DEFAULT_MAX_BATCHED_TOKENS = "auto"
 
 
@@ -37,8 +37,15 @@ def add_engine_args(ap, kv_budget_help: str) -> None:
     ap.add_argument("--max-num-batched-tokens", type=token_budget, default=DEFAULT_MAX_BATCHED_TOKENS,
                     help="tokens per engine step, decode rows included: longer prompts are prefilled in chunks "
                          "over several steps so running streams keep decoding (default auto: prompt tokens per step "
-                         "from measured step times, so a step with chunks takes ~1.75x a decode step; 0: every "
-                         "prompt whole, in the step it is admitted)")
+                         "from measured step times, for goodput under --ttft-slo and --itl-slo; 0: every prompt "
+                         "whole, in the step it is admitted)")
+    ap.add_argument("--ttft-slo", type=float, default=TTFT_SLO_S,
+                    help=f"seconds from a request's arrival to its first token that --max-num-batched-tokens auto "
+                         f"aims for (default {TTFT_SLO_S:g}): when a waiting prompt would miss it, prompts get "
+                         "the step")
+    ap.add_argument("--itl-slo", type=float, default=ITL_SLO_S,
+                    help=f"seconds between a stream's tokens that auto keeps while prompts are prefilled beside "
+                         f"them, where no first token is at risk (default {ITL_SLO_S:g})")
 
 
 def engine_options(args) -> dict:
@@ -56,7 +63,8 @@ def max_batched_tokens(args) -> int | str | None:
 
 def serve_flags(args) -> list[str]:
     """The same engine options as `mqa-serve` flags (for a server started as a subprocess)."""
-    flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--ttft-slo", str(args.ttft_slo),
+             "--itl-slo", str(args.itl_slo)]
     if args.speculative:
         flags += ["--speculative", args.speculative]
     if args.num_speculative_tokens is not None:

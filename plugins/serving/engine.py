@@ -24,7 +24,7 @@ from plugins.serving.runner import open_runner
 from plugins.serving.scheduler import Scheduler
 from plugins.serving.speculation import SpeculationPolicy
 from plugins.serving.step import StepResult
-from plugins.serving.token_budget import AdaptiveTokenBudget, TokenBudget, token_budget
+from plugins.serving.token_budget import ITL_SLO_S, TTFT_SLO_S, GoodputBudget, TokenBudget, token_budget
 
 
 class QueueFull(RuntimeError):
@@ -62,8 +62,8 @@ class EngineCore:
     def __init__(self, backend: Backend, slots: int, capacity: int | None = None, prefix_cache_bytes: int = 0,
                  max_batched_tokens: int | str | None = None, budget: TokenBudget | None = None):
         """`capacity`: tokens per slot (prompt + new), the model's n_positions by default. The token budget
-        of a step: `max_batched_tokens` (None: whole prompts; "auto": from measured step times) or a
-        strategy object (`budget`)."""
+        of a step: `max_batched_tokens` (None: whole prompts; "auto": goodput from measured step times) or a
+        strategy object (`budget`: plugins.serving.token_budget)."""
         capacity = backend.config.n_positions if capacity is None else capacity
         self.capacity = capacity
         self.runner = open_runner(backend, slots, capacity)
@@ -92,14 +92,17 @@ class ServingEngine:
     message, turns /health to 503 and ends the loop; the details go to the server's log only."""
 
     def __init__(self, backend: Backend, slots: int, capacity: int, max_waiting: int = 256,
-                 prefix_cache_bytes: int = 0, max_batched_tokens: int | str | None = None):
+                 prefix_cache_bytes: int = 0, max_batched_tokens: int | str | None = None,
+                 ttft_slo: float = TTFT_SLO_S, itl_slo: float = ITL_SLO_S):
         """`max_batched_tokens`: the token budget of a step (None: whole prompts), or "auto": prompt
-        tokens per step from measured step times (plugins.serving.token_budget)."""
+        tokens per step for goodput under the `ttft_slo` / `itl_slo` targets, from measured step times
+        (plugins.serving.token_budget)."""
         self.backend, self.slots, self.capacity, self.max_waiting = backend, slots, capacity, max_waiting
         self.max_batched_tokens, self.prefix_cache_bytes = max_batched_tokens, prefix_cache_bytes
-        self.core = EngineCore(backend, slots, capacity, prefix_cache_bytes, max_batched_tokens)
+        self.core = EngineCore(backend, slots, capacity, prefix_cache_bytes,
+                               budget=token_budget(max_batched_tokens, ttft_slo, itl_slo))
         self.runner, self.kv, self.scheduler = self.core.runner, self.core.kv, self.core.scheduler
-        self.metrics = Metrics(slots, self.kv, adaptive=isinstance(self.scheduler.budget, AdaptiveTokenBudget))
+        self.metrics = Metrics(slots, self.kv, adaptive=isinstance(self.scheduler.budget, GoodputBudget))
         self._cond = threading.Condition()
         self._queues: dict[int, ResultQueue] = {}
         self._ids = itertools.count(1)
@@ -138,6 +141,7 @@ class ServingEngine:
                                 f"(--max-waiting {self.max_waiting}); retry later")
             for q in queues:
                 self._queues[q.request.id] = q
+                q.request.arrival = q.arrived
                 self.scheduler.add(q.request)
             self.metrics.waiting.set(len(self.scheduler.waiting))
             self._cond.notify()
@@ -210,7 +214,7 @@ class ServingEngine:
                     outbox.setdefault(q.loop, []).append((q.queue, ("error", f"this request failed: {message}")))
             self.metrics.step(now, new, result)
             budget = self.scheduler.budget
-            if self.metrics.step_budget is not None and isinstance(budget, AdaptiveTokenBudget):
+            if self.metrics.step_budget is not None and isinstance(budget, GoodputBudget):
                 self.metrics.step_budget.set(budget.tokens)
             self.metrics.kv(self.kv)
             self.metrics.running.set(self.scheduler.held)

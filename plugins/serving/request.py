@@ -46,6 +46,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()  # stop at any of these too (returned)
     logprobs: int | None = None    # with each token: its log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (one extra forward)
+    arrival: float = 0.0           # time.monotonic() it arrived at (its time to first token counts from it)
 
     def check(self, capacity: int) -> None:
         """Everything a request must satisfy to be served in slots of `capacity` tokens: the engine's one

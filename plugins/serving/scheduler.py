@@ -18,6 +18,7 @@ It holds no tensors and runs in one process, so tensor-parallel ranks all execut
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,12 +50,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.fills: dict[int, _Fill] = {}      # FIFO: admitted, prompt not all computed
         self.running: set[int] = set()         # rows decoding
+        self.arrival: dict[int, float] = {}    # request -> when it arrived (waiting or prefilling)
         self._release: set[int] = set()
 
     # ---- what callers change between steps
     def add(self, request: Request) -> None:
         """Queue a request (checked by the caller: `Request.check`)."""
         self.waiting.append(request)
+        self.arrival[request.id] = request.arrival or time.monotonic()
 
     def abort(self, request_id: int) -> bool:
         """Drop a request; True if it was still waiting (it never ran). Running and prefilling ones leave
@@ -62,6 +65,7 @@ class Scheduler:
         for request in self.waiting:
             if request.id == request_id:
                 self.waiting.remove(request)
+                self.arrival.pop(request_id, None)
                 return True
         if request_id in self.running or any(request_id in f.requests for f in self.fills.values()):
             self._release.add(request_id)
@@ -87,7 +91,8 @@ class Scheduler:
             self._leave(rid)
         self._admit(out)
         rows = len(self.running)
-        budget = self.budget.next(rows, self.prefilling)
+        pending = [(min(self.arrival[r] for r in f.requests), len(f.prompt) - f.done) for f in self.fills.values()]
+        budget = self.budget.next(rows, pending, time.monotonic())
         pinned: set[int] = set()
         for fill in self.fills.values():
             if budget <= 0:
@@ -130,6 +135,7 @@ class Scheduler:
 
     def _leave(self, rid: int) -> None:
         self.running.discard(rid)
+        self.arrival.pop(rid, None)
         for key, fill in list(self.fills.items()):
             if rid in fill.requests:
                 fill.requests.remove(rid)
@@ -155,6 +161,8 @@ class Scheduler:
                 continue
             del self.fills[key]
             self.running.update(fill.requests)
+            for rid in fill.requests:
+                self.arrival.pop(rid, None)
         for rid in list(result.failed) + list(result.finished):
             self._leave(rid)
         if self.speculation and result.decode is not None:
