@@ -34,6 +34,7 @@ LEVELS = {
     "plugins.bench": 6,
     "plugins.serve": 6,
     "plugins.fleet": 7,
+    "plugins.triton": 7,
     "scripts": 8,
 }
 # Found by name at run time, never imported by the layers below them (plugins.engine.registry).
