@@ -34,8 +34,8 @@ own --random-seed, the same for both servers, so no run's prompts are another's 
             the time of engine steps that computed prompt tokens) against the offline prefill rate of
             our engine at the same batch on the same weights (plugins.bench.versus_offline: 8 x 1024
             through load_backend(...).generate, run before any server), and their ratio
---quick: every workload much smaller (8 x (64 + 16) at 4 concurrent; rates 0.5 1; 4 x (256 prefix + 32,
-16 out); 8 x (256 + 16) at 4 concurrent, offline 4 x 256).
+--quick: every workload much smaller (8 x (32 + 8) at 4 concurrent; rates 0.5 1 of 4 x (32 + 8); 4 x (128
+prefix + 16, 8 out); 8 x (128 + 8) at 4 concurrent, offline 4 x 128, best of 2).
 Reported per workload and server: output tokens/s, TTFT p50 / p99, inter-token latency p50 / p99,
 completed, errors; and ours / vLLM. Also the versions (vllm, torch in its venv, aiperf, ours) and each
 server's exact command line and environment.
@@ -75,10 +75,10 @@ class Load:
 
 
 WORKLOADS = {  # name -> (full, quick)
-    "streams": (Load(32, 128, 128, concurrency=16), Load(8, 64, 16, concurrency=4)),
-    "poisson": (Load(32, 128, 128), Load(4, 64, 16)),
-    "prefix": (Load(8, 32, 32, concurrency=8, prefix=1024), Load(4, 32, 16, concurrency=4, prefix=256)),
-    "prefill": (Load(16, 1024, 64, concurrency=8), Load(8, 256, 16, concurrency=4)),
+    "streams": (Load(32, 128, 128, concurrency=16), Load(8, 32, 8, concurrency=4)),
+    "poisson": (Load(32, 128, 128), Load(4, 32, 8)),
+    "prefix": (Load(8, 32, 32, concurrency=8, prefix=1024), Load(4, 16, 8, concurrency=4, prefix=128)),
+    "prefill": (Load(16, 1024, 64, concurrency=8), Load(8, 128, 8, concurrency=4)),
 }
 RATES = ([0.25, 0.5, 0.75, 1.0], [0.5, 1.0])  # full, quick
 MAX_NUM_SEQS = 16
@@ -225,6 +225,7 @@ def warm_up(url: str, name: str, checkpoint: Path) -> None:
 def offline_prefill(args, load: Load, out: Path) -> dict:
     cmd = [sys.executable, "-m", "plugins.bench.versus_offline", str(args.checkpoint_dir), "--backend", args.backend,
            "--dtype", args.dtype, "--batch", str(load.concurrency), "--prompt", str(load.isl),
+           "--repeats", "2" if args.quick else "3",
            *(["--quantize", args.quantize] if args.quantize else [])]
     run = subprocess.run(cmd, capture_output=True, text=True)
     (out / "offline.log").write_text(" ".join(cmd) + "\n\n" + run.stdout + run.stderr)
@@ -279,7 +280,8 @@ def markdown(state: dict, args) -> list[str]:
                                       for who, vs in v.items()), ""]
     for server, dep in state["servers"].items():
         env = " ".join(f"{k}={x}" for k, x in dep["env"].items())
-        lines += [f"- {server}: `{(env + ' ') if env else ''}{' '.join(dep['cmd'])}`"]
+        lines += [f"- {server}: `{(env + ' ') if env else ''}{' '.join(dep['cmd'])}`"
+                  + ("" if env else " (no LD_PRELOAD, OMP_*, KMP_* or VLLM_CPU_* set)")]
     lines += ["", *report.results_table(state["rows"]), ""]
     if any(r["workload"] == "poisson" for r in state["rows"]):
         lines += [*report.goodput_table(state["goodput"], args.ttft_bound_s), ""]

@@ -48,8 +48,8 @@ def _num(x, fmt: str) -> str:
 
 
 def results_table(rows: list[dict]) -> list[str]:
-    """One line per workload and server, then ours / vLLM where both ran it (tok/s: higher is better for
-    ours; latencies: vLLM's / ours, so > 1 means ours is lower)."""
+    """One line per workload and server, then ours / vLLM where both ran it: tok/s ours / theirs;
+    latencies "Nx lower" (theirs / ours) or "Nx HIGHER" (ours / theirs)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     groups: dict[str, dict[str, dict]] = {}
     for r in rows:
@@ -63,8 +63,8 @@ def results_table(rows: list[dict]) -> list[str]:
             ours, theirs = by_server["ours"], by_server["vllm"]
             tok = (f"{ours['output_tok_s'] / theirs['output_tok_s']:.2f}x"
                    if ours["output_tok_s"] and theirs["output_tok_s"] else "-")
-            lat = [f"{theirs[k] / ours[k]:.2f}x {'lower' if theirs[k] >= ours[k] else 'HIGHER'}"
-                   if ours[k] and theirs[k] else "-" for k in LATENCIES]
+            lat = [("-" if not (ours[k] and theirs[k]) else f"{theirs[k] / ours[k]:.2f}x lower"
+                    if theirs[k] >= ours[k] else f"{ours[k] / theirs[k]:.2f}x HIGHER") for k in LATENCIES]
             lines.append(f"| {name} | ours / vLLM | {tok} | " + " | ".join(lat) + " | | |")
     return lines
 

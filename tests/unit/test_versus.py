@@ -176,7 +176,7 @@ def test_results_table_has_every_column_and_a_ratio_row_per_workload():
     assert lines[0] == "| " + " | ".join(report.COLUMNS) + " |" and len(report.COLUMNS) == 9
     assert all(ln.count("|") == len(report.COLUMNS) + 1 for ln in lines)
     ratios = [ln for ln in lines if "ours / vLLM" in ln]
-    assert len(ratios) == 2 and "1.50x" in ratios[0] and "0.50x HIGHER" in ratios[0] and "2.00x lower" in ratios[1]
+    assert len(ratios) == 2 and "1.50x" in ratios[0] and "2.00x HIGHER" in ratios[0] and "2.00x lower" in ratios[1]
 
 
 def test_summary_row_reads_aiperf_export_and_counts_errors():
