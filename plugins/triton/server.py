@@ -81,7 +81,8 @@ def find_install(venv: Path = DEFAULT_VENV) -> Install:
     probe = ("import json, sys, sysconfig, pathlib, pytriton; print(json.dumps({"
              "'root': str(pathlib.Path(pytriton.__file__).parent / 'tritonserver'), "
              "'version': '%d.%d' % sys.version_info[:2], 'libdir': sysconfig.get_config_var('LIBDIR'), "
-             "'soname': sysconfig.get_config_var('INSTSONAME')}))")
+             "'soname': sysconfig.get_config_var('INSTSONAME'), "
+             "'shared': sysconfig.get_config_var('Py_ENABLE_SHARED')}))")
     done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
     if done.returncode:
         raise TritonMissing(f"{python} cannot import pytriton (`make triton`): {done.stderr.strip()[-500:]}")
@@ -92,7 +93,7 @@ def find_install(venv: Path = DEFAULT_VENV) -> Install:
         if not path.exists():
             raise TritonMissing(f"{path} is missing: nvidia-pytriton has no Triton server or Python "
                                 f"{install.python_version} stub for this platform")
-    if not (install.python_libdir / found["soname"]).exists():
+    if not found["shared"] or not (install.python_libdir / found["soname"]).exists():
         raise TritonMissing(f"{venv}'s Python has no shared library ({install.python_libdir / found['soname']}): "
                             "Triton's Python backend stub links libpython; build the venv from a CPython "
                             "configured with --enable-shared")
