@@ -22,47 +22,60 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 from safetensors.torch import save_file
-from transformers import GPTBigCodeConfig
+from transformers import GPTBigCodeConfig, Starcoder2Config
 
+from plugins.core.arch import ARCHITECTURES, NAMES, arch, is_norm
 from plugins.core.atomic import atomic_dir
 from plugins.core.config import ConfigError, check_hf_config, hf_shapes
-from plugins.core.hf_files import ARCHITECTURES, is_complete, write_companions
+from plugins.core.hf_files import is_complete, write_companions
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from transformers import GPTBigCodeForCausalLM
 
 WEIGHTS_NAME = "model.safetensors"
+CONFIG_CLASSES = {"gpt_bigcode": GPTBigCodeConfig, "starcoder2": Starcoder2Config}
 
 
-def _init_tensor(name: str, tensor: torch.Tensor, config: GPTBigCodeConfig, gen: torch.Generator) -> None:
-    """GPTBigCode's own init rule (`_init_weights`), applied to one named tensor."""
+def _init_tensor(name: str, tensor: torch.Tensor, config, gen: torch.Generator) -> None:
+    """The family's own init rule (`_init_weights`), applied to one named tensor: GPTBigCode's, or
+    StarCoder2's (transformers' default: normal(initializer_range), zero biases, unit norms)."""
     if name.endswith("bias"):
         tensor.zero_()
-    elif ".ln_" in name or name.startswith("transformer.ln_f"):
+    elif is_norm(name):
         tensor.fill_(1.0)
     else:
         std = config.initializer_range
-        if name.endswith("c_proj.weight"):  # GPT-2 scheme: residual projections scaled by depth
-            std = std / (2 * config.n_layer) ** 0.5
+        if arch(config).family == "gpt_bigcode" and name.endswith("c_proj.weight"):
+            std = std / (2 * config.n_layer) ** 0.5  # GPT-2 scheme: residual projections scaled by depth
         tensor.normal_(0.0, std, generator=gen)
 
 
-def _build_empty(config: GPTBigCodeConfig) -> GPTBigCodeForCausalLM:
-    """The module tree with uninitialised storage: no init pass, no copy."""
-    from transformers import GPTBigCodeForCausalLM  # here: the modeling code is most of transformers' import time
+def model_class(config):
+    """The HF causal-LM class of the config's family."""
+    import transformers  # here: the modeling code is most of transformers' import time
 
+    return getattr(transformers, ARCHITECTURES[arch(config).family])
+
+
+def _build_empty(config) -> GPTBigCodeForCausalLM:
+    """The module tree with uninitialised storage: no init pass, no copy."""
     with torch.device("meta"):
-        model = GPTBigCodeForCausalLM(config)
+        model = model_class(config)(config)
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty allocates tied parameters separately
-    n = config.n_positions  # the one (non-persistent) buffer: HF's causal-mask table
-    model.transformer.bias.copy_(torch.tril(torch.ones((n, n), dtype=torch.bool)))
+    # the non-persistent buffers, which to_empty left uninitialised
+    if arch(config).family == "starcoder2":  # RoPE's inverse frequencies: the module rebuilt on CPU
+        model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    else:  # HF's causal-mask table
+        n = config.n_positions
+        model.transformer.bias.copy_(torch.tril(torch.ones((n, n), dtype=torch.bool)))
     return model
 
 
-def init_model(config: GPTBigCodeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPTBigCodeForCausalLM:
-    """A GPTBigCodeForCausalLM with deterministic weights: same (config, seed) -> same bits."""
+def init_model(config, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPTBigCodeForCausalLM:
+    """The config's causal LM (GPTBigCodeForCausalLM, Starcoder2ForCausalLM) with deterministic weights:
+    same (config, seed) -> same bits."""
     model = _build_empty(config)
     # One generator per tensor, seeded by (seed, index): deterministic whatever the thread count,
     # and tensors fill in parallel (torch's CPU normal_ is single-threaded).
@@ -96,7 +109,7 @@ def write_hf_files(model: GPTBigCodeForCausalLM, directory: Path, tokenizer: str
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    model.config.architectures = list(ARCHITECTURES)  # what model.save_pretrained records too
+    model.config.architectures = [ARCHITECTURES[arch(model.config).family]]  # what save_pretrained records too
     write_companions(directory, model.config, tokenizer, chat_template)  # first: a vocab mismatch writes nothing
     model.config.save_pretrained(directory)
     save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})
@@ -119,14 +132,17 @@ def ensure_checkpoint(config: GPTBigCodeConfig, dst: str | Path, seed: int = 0) 
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             saved = {}
         want = config.to_dict()
-        keys = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions", "multi_query", "n_inner")
+        fam = arch(config).family
+        keys = ("model_type", "num_key_value_heads", "rope_parameters", "sliding_window", "tie_word_embeddings",
+                *NAMES[fam].values()) if fam == "starcoder2" else (
+            "n_layer", "n_embd", "n_head", "vocab_size", "n_positions", "multi_query", "n_inner")
         if all(saved.get(k) == want.get(k) for k in keys):
             return dst
     return create_checkpoint(config, dst, seed=seed, force=True)
 
 
 def read_hf_config(src: str | Path) -> GPTBigCodeConfig:
-    """The config of an HF gpt_bigcode directory, its architecture checked (check_hf_config)."""
+    """The config of an HF gpt_bigcode or starcoder2 directory, its architecture checked (check_hf_config)."""
     src = Path(src)
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
@@ -141,12 +157,13 @@ def read_hf_config(src: str | Path) -> GPTBigCodeConfig:
         raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object")
-    if raw.get("model_type") != "gpt_bigcode":
-        raise ConfigError(f"{src} holds a {raw.get('model_type')!r} model, not gpt_bigcode")
+    kind = raw.get("model_type")
+    if kind not in CONFIG_CLASSES:
+        raise ConfigError(f"{src} holds a {kind!r} model, not {' or '.join(CONFIG_CLASSES)}")
     try:
-        config = GPTBigCodeConfig.from_dict(raw)
+        config = CONFIG_CLASSES[kind].from_dict(raw)
     except Exception as e:  # transformers' own field validation (type errors, strict dataclass checks)
-        raise ConfigError(f"{cfg_file}: not a valid gpt_bigcode config ({type(e).__name__}: "
+        raise ConfigError(f"{cfg_file}: not a valid {kind} config ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]})") from None
     check_hf_config(config, str(cfg_file))
     return config
@@ -277,7 +294,7 @@ def read_hf_state(src: str | Path, config: GPTBigCodeConfig | None = None) -> di
         state.update(part)
     bad = sorted(k for k, v in state.items() if v.dtype not in FLOAT_DTYPES)
     if bad:
-        raise ConfigError(f"{src}: {bad[0]} is {state[bad[0]].dtype}; gpt_bigcode weights are floating point")
+        raise ConfigError(f"{src}: {bad[0]} is {state[bad[0]].dtype}; model weights are floating point")
     if config is not None and config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

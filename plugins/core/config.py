@@ -1,21 +1,26 @@
-"""Model configs: `configs/models/<name>.yaml` -> `transformers.GPTBigCodeConfig`.
+"""Model configs: `configs/models/<name>.yaml` -> `transformers.GPTBigCodeConfig` or, for a file with
+`model_type: starcoder2`, `transformers.Starcoder2Config` (each family's file uses its HF names).
 
-A config file names only the architecture; everything else takes GPTBigCodeConfig's defaults
+A config file names only the architecture; everything else takes the HF config's defaults
 (tied embeddings, scaled attention, fp32 softmax). Unknown keys are an error, so a typo never
-silently falls back to a default. Two keys are not HF's: `train:` (the model is trained here,
-`load_train_spec`) and `tokenizer:` (a name from plugins.core.tokenizer.TOKENIZERS, default the
-project's 49152-token one; `load_tokenizer_name`).
+silently falls back to a default. Three keys are not HF's: `model_type:` (the family, default
+gpt_bigcode), `train:` (the model is trained here, `load_train_spec`; gpt_bigcode only) and
+`tokenizer:` (a name from plugins.core.tokenizer.TOKENIZERS, default the project's 49152-token one;
+`load_tokenizer_name`). What a config's shape is, whatever its family: `plugins.core.arch`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import yaml
-from transformers import GPTBigCodeConfig
+from transformers import GPTBigCodeConfig, Starcoder2Config
 
+from plugins.core.arch import (NAMES, arch, family, head_dim, hf_shapes, kv_heads,  # noqa: F401 (re-exported)
+                               kv_heads_per_rank)
+from plugins.core.errors import ConfigError
 from plugins.core.paths import (CONFIGS_DIR, DEFAULT_TOKENIZER, MODELS_DIR, REPO_ROOT,  # noqa: F401 (re-exported)
                                 TOKENIZERS)
 
@@ -26,12 +31,10 @@ TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 KV_LAYOUTS = ("head", "batch")
 
 
-class ConfigError(ValueError):
-    """A config file or a requested setting is invalid."""
-
-
 @dataclass(frozen=True)
 class ModelSpec:
+    model_type = "gpt_bigcode"  # the family (a class attribute, not a key)
+
     n_layer: int
     n_embd: int
     n_head: int
@@ -69,7 +72,43 @@ class ModelSpec:
         )
 
 
-_SPEC_KEYS = {f.name for f in fields(ModelSpec)}
+@dataclass(frozen=True)
+class Starcoder2Spec:
+    """A `model_type: starcoder2` config file, in Starcoder2Config's own names (bigcode/starcoder2-*)."""
+    model_type = "starcoder2"
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    sliding_window: int | None = None
+    hidden_act: str = "gelu_pytorch_tanh"
+    norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        check_hf_config(self.to_hf(), "model config")
+
+    def to_hf(self) -> Starcoder2Config:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_theta"}
+        theta = self.rope_theta
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+            raise ConfigError(f"model config: rope_theta must be a positive number, got {theta!r}")
+        try:
+            return Starcoder2Config(**values, rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
+                                    use_bias=True, bos_token_id=0, eos_token_id=0,  # <|endoftext|>
+                                    # inference only: dropouts off so every backend computes the same function
+                                    attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0)
+        except Exception as e:  # transformers' strict field types
+            raise ConfigError(f"model config: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+
+
+SPECS = {spec.model_type: spec for spec in (ModelSpec, Starcoder2Spec)}
 
 
 @dataclass(frozen=True)
@@ -159,26 +198,37 @@ def _tokenizer_key(path: Path, raw: dict) -> str:
     return name
 
 
-def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec:
+def load_spec(name_or_path: str | Path, **overrides) -> ModelSpec | Starcoder2Spec:
     """Read a model config by name (`tiny`) or path; `overrides` replace single keys."""
     path = _model_file(name_or_path)
     raw = read_yaml(path)
+    kind = raw.pop("model_type", "gpt_bigcode")
+    if kind not in SPECS:
+        raise ConfigError(f"{path.name}: unknown model_type {kind!r}; known: {', '.join(SPECS)}")
     train = _train_section(path, raw)
+    if train is not None and kind != "gpt_bigcode":
+        raise ConfigError(f"{path.name}: train: is for gpt_bigcode models (plugins.train), not {kind}")
     tokenizer = _tokenizer_key(path, raw)
     raw.update(overrides)
-    unknown = sorted(set(raw) - _SPEC_KEYS)
+    cls = SPECS[kind]
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - allowed)
     if unknown:
-        raise ConfigError(f"{path.name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SPEC_KEYS))}")
-    spec = ModelSpec(**raw)
+        raise ConfigError(f"{path.name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    missing = sorted(f.name for f in fields(cls) if f.name not in raw and f.default is MISSING)
+    if missing:
+        raise ConfigError(f"{path.name}: missing key(s) {', '.join(missing)}")
+    spec = cls(**raw)
     size = TOKENIZERS[tokenizer][1]
     if size > spec.vocab_size:
         raise ConfigError(f"{path.name}: tokenizer {tokenizer} has {size} tokens but vocab_size is "
                           f"{spec.vocab_size}: token ids would index past the embedding")
-    if train is not None and train.seq_len > spec.n_positions:
-        raise ConfigError(f"{path.name}: train seq_len {train.seq_len} exceeds n_positions {spec.n_positions}")
-    if train is not None and train.seq_len < spec.n_positions:  # learned positions past seq_len stay random
+    n_positions = arch(spec.to_hf()).n_positions
+    if train is not None and train.seq_len > n_positions:
+        raise ConfigError(f"{path.name}: train seq_len {train.seq_len} exceeds n_positions {n_positions}")
+    if train is not None and train.seq_len < n_positions:  # learned positions past seq_len stay random
         raise ConfigError(f"{path.name}: train seq_len {train.seq_len} is shorter than n_positions "
-                          f"{spec.n_positions}: the position embeddings past it would never be trained")
+                          f"{n_positions}: the position embeddings past it would never be trained")
     return spec
 
 
@@ -196,84 +246,73 @@ def load_tokenizer_name(name_or_path: str | Path, **overrides) -> str:
     return _tokenizer_key(path, read_yaml(path))
 
 
-def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig:
+def load_model_config(name_or_path: str | Path, **overrides) -> GPTBigCodeConfig | Starcoder2Config:
     return load_spec(name_or_path, **overrides).to_hf()
 
 
-def kv_heads(config: GPTBigCodeConfig) -> int:
-    """KV heads of the whole model: 1 (MQA), n_head (MHA), or `num_query_groups` for the GQA configs
-    the converters make (Megatron formats only: HF gpt_bigcode implements MQA and MHA)."""
-    return getattr(config, "num_query_groups", None) or (1 if config.multi_query else config.n_head)
-
-
-def kv_heads_per_rank(config: GPTBigCodeConfig, tp_size: int = 1) -> int:
-    """KV heads one TP rank holds: its share, or the whole head(s) replicated when there are fewer
-    KV heads than ranks (MQA: the one head on every rank)."""
-    return max(1, kv_heads(config) // tp_size)
-
-
-def head_dim(config: GPTBigCodeConfig) -> int:
-    return config.n_embd // config.n_head
-
-
-def check_tp(config: GPTBigCodeConfig, tp_size: int) -> None:
+def check_tp(config, tp_size: int) -> None:
     """The one tensor-parallel check: every rank holds whole query heads, and KV heads are either
     split evenly over the ranks or replicated on groups of ranks."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
-    if config.n_head % tp_size:
-        raise ConfigError(f"tp_size {tp_size} does not divide n_head {config.n_head}: "
+    n_head = arch(config).n_head
+    if n_head % tp_size:
+        raise ConfigError(f"tp_size {tp_size} does not divide n_head {n_head}: "
                           "each rank must hold a whole number of query heads")
     groups = kv_heads(config)
-    if config.n_head % groups:
-        raise ConfigError(f"{groups} KV heads do not divide n_head {config.n_head}")
+    if n_head % groups:
+        raise ConfigError(f"{groups} KV heads do not divide n_head {n_head}")
     if groups % tp_size and tp_size % groups:
         raise ConfigError(f"tp_size {tp_size} and {groups} KV heads: one must divide the other")
 
 
-def check_hf_config(config: GPTBigCodeConfig, where: str = "config") -> None:
-    """A loaded config (from any file) describes a model this project can build: one ConfigError
-    naming the field, before any tensor is allocated."""
-    for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-        value = getattr(config, name, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
-    if config.n_embd % config.n_head:
-        raise ConfigError(f"{where}: n_embd ({config.n_embd}) is not divisible by n_head ({config.n_head})")
-    inner = config.n_inner
-    if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner <= 0):
-        raise ConfigError(f"{where}: n_inner must be null or a positive integer, got {inner!r}")
-    eps = config.layer_norm_epsilon
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_hf_config(config, where: str = "config") -> None:
+    """A loaded config of either family (from any file) describes a model this project can build:
+    one ConfigError naming the field (in the family's own names), before any tensor is allocated."""
+    names = NAMES[family(config)]
+    for field in ("n_layer", "hidden", "n_head", "vocab_size", "n_positions"):
+        value = getattr(config, names[field], None)
+        if not _positive_int(value):
+            raise ConfigError(f"{where}: {names[field]} must be a positive integer, got {value!r}")
+    hidden, n_head = getattr(config, names["hidden"]), getattr(config, names["n_head"])
+    if hidden % n_head:
+        raise ConfigError(f"{where}: {names['hidden']} ({hidden}) is not divisible by {names['n_head']} ({n_head})")
+    inner = getattr(config, names["inner"], None)
+    if inner is not None and not _positive_int(inner):
+        raise ConfigError(f"{where}: {names['inner']} must be null or a positive integer, got {inner!r}")
+    eps = getattr(config, names["eps"], None)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
-        raise ConfigError(f"{where}: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
-    if not isinstance(config.activation_function, str):
-        raise ConfigError(f"{where}: activation_function must be a name, got {config.activation_function!r}")
+        raise ConfigError(f"{where}: {names['eps']} must be a number in (0, 1), got {eps!r}")
+    act = getattr(config, names["activation"], None)
+    if not isinstance(act, str):
+        raise ConfigError(f"{where}: {names['activation']} must be a name, got {act!r}")
     groups = kv_heads(config)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0 or config.n_head % groups:
-        raise ConfigError(f"{where}: {groups!r} KV heads do not divide n_head {config.n_head}")
+    if not _positive_int(groups) or n_head % groups:
+        raise ConfigError(f"{where}: {groups!r} KV heads do not divide {names['n_head']} {n_head}")
+    if family(config) == "starcoder2":
+        _check_starcoder2(config, where, hidden // n_head)
 
 
-def hf_shapes(config: GPTBigCodeConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of the HF model (HF names; lm_head only when untied)."""
-    h, d, g = config.n_embd, config.n_embd // config.n_head, kv_heads(config)
-    inner = config.n_inner or 4 * h
-    shapes = {"transformer.wte.weight": (config.vocab_size, h), "transformer.wpe.weight": (config.n_positions, h)}
-    for i in range(config.n_layer):
-        p = f"transformer.h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
-            p + "attn.c_attn.weight": (h + 2 * g * d, h), p + "attn.c_attn.bias": (h + 2 * g * d,),
-            p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
-            p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
-            p + "mlp.c_fc.weight": (inner, h), p + "mlp.c_fc.bias": (inner,),
-            p + "mlp.c_proj.weight": (h, inner), p + "mlp.c_proj.bias": (h,),
-        })
-    shapes.update({"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)})
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
-
-
+def _check_starcoder2(config, where: str, head_size: int) -> None:
+    """What only StarCoder2 configs carry: RoPE, the window, biases, the head size."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}: rope_type {rope.get('rope_type')!r}: only default RoPE is served here")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and not _positive_int(window):
+        raise ConfigError(f"{where}: sliding_window must be null or a positive integer, got {window!r}")
+    if getattr(config, "use_bias", True) is not True:
+        raise ConfigError(f"{where}: use_bias false: only StarCoder2's biased linears are served here")
+    own = getattr(config, "head_dim", None)
+    if own is not None and own != head_size:
+        raise ConfigError(f"{where}: head_dim {own} is not hidden_size / num_attention_heads ({head_size})")
 
 
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,

@@ -18,12 +18,14 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers import GenerationConfig
 
+from plugins.core.arch import arch
 from plugins.core.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILE, TOKENIZERS, check_vocab
 
 TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG = ("tokenizer.json", "tokenizer_config.json",
                                                        "generation_config.json")
 COMPANIONS = (TOKENIZER_JSON, TOKENIZER_CONFIG, GENERATION_CONFIG)
 ARCHITECTURES = ["GPTBigCodeForCausalLM"]  # config.json's model class: vLLM picks its implementation by it
+# (gpt_bigcode's; each family's: plugins.core.arch.ARCHITECTURES)
 EOS = SPECIAL_TOKENS[0]
 
 
@@ -83,7 +85,7 @@ def write_tokenizer_files(directory: str | Path, config, tokenizer: str | Path |
         shutil.copyfile(src, own)
         written.append(TOKENIZER_JSON)
     if own.exists() and not (directory / TOKENIZER_CONFIG).exists():
-        settings = tokenizer_config(json.loads(own.read_text()), config.n_positions, chat_template)
+        settings = tokenizer_config(json.loads(own.read_text()), arch(config).n_positions, chat_template)
         (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
         written.append(TOKENIZER_CONFIG)
     return written

@@ -8,7 +8,7 @@ import os
 import torch
 from transformers import GPTBigCodeConfig
 
-from plugins.core.config import ConfigError, check_tp, head_dim, kv_heads_per_rank
+from plugins.core.config import ConfigError, arch, check_tp, head_dim, kv_heads_per_rank
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -86,10 +86,10 @@ def check_inputs(config: GPTBigCodeConfig, input_ids: torch.Tensor, attention_ma
         raise ConfigError("attention_mask must be left-padded (zeros first, then ones)")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    total = input_ids.shape[1] + max_new_tokens
-    if total > config.n_positions:
+    total, n_positions = input_ids.shape[1] + max_new_tokens, arch(config).n_positions
+    if total > n_positions:
         raise ConfigError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "
-                          f"exceeds n_positions {config.n_positions}")
+                          f"exceeds n_positions {n_positions}")
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def tensor_bytes(tensors) -> int:
 def kv_bytes_per_token(config: GPTBigCodeConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of K and V one token adds to the cache of one rank (heads sharded over `tp_size`)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return config.n_layer * 2 * kv_heads_per_rank(config, tp_size) * head_dim(config) * element
+    return arch(config).n_layer * 2 * kv_heads_per_rank(config, tp_size) * head_dim(config) * element
 
 
 def process_group_backend(cuda: bool | None = None) -> str:

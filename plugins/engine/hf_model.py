@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, GPTBigCodeForCausalLM
 
+from plugins.core.arch import arch
 from plugins.core.tensors import position_ids, tensor_bytes
 from plugins.engine.backend import LocalBackend
 from plugins.engine.kv_cache import SingleHeadCache
@@ -75,11 +76,12 @@ class PoolDecoder:
         p = input_ids.shape[1]
         mask = torch.ones_like(input_ids)
         pos = position_ids(mask)
-        if prefix is None:
+        # HF's own cache of a sliding-window model keeps only the window's columns; the pool needs them all
+        if prefix is None and arch(self.backend.config).sliding_window is None:
             scratch = self.backend.decoder(1, p)
             logits = scratch.prefill(input_ids, mask, pos)
         else:
-            n = prefix[0].shape[2]
+            n = 0 if prefix is None else prefix[0].shape[2]
             scratch = self.make_step(self._chunk_cache(p, prefix))
             logits = scratch.prefill(input_ids[:, n:], mask, pos[:, n:])
         return logits, [t[:, :, :p] for layer in scratch.cache.layers for t in (layer.keys, layer.values)]

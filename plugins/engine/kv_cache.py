@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from plugins.core.config import head_dim, kv_heads_per_rank
+from plugins.core.config import arch, head_dim, kv_heads_per_rank
 
 
 class SingleHeadLayer(CacheLayerMixin):
@@ -89,9 +89,10 @@ class SingleHeadCache(Cache):
 
     def __init__(self, config, max_length: int, batch: int | None = None, dtype: torch.dtype | None = None,
                  device="cpu", tp_size: int = 1):
-        if max_length > config.n_positions:
-            raise ValueError(f"max_length {max_length} exceeds n_positions {config.n_positions}")
-        super().__init__(layers=[SingleHeadLayer(max_length) for _ in range(config.n_layer)])
+        shape = arch(config)
+        if max_length > shape.n_positions:
+            raise ValueError(f"max_length {max_length} exceeds n_positions {shape.n_positions}")
+        super().__init__(layers=[SingleHeadLayer(max_length) for _ in range(shape.n_layer)])
         if batch is not None and dtype is not None:
             for layer in self.layers:
                 layer.allocate(batch, kv_heads_per_rank(config, tp_size), head_dim(config), dtype, device)

@@ -16,6 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from plugins.core.arch import arch
 from plugins.engine.contract import Backend
 from plugins.serving.kv_manager import KVManager
 from plugins.serving.metrics import Metrics
@@ -64,7 +65,7 @@ class EngineCore:
         """`capacity`: tokens per slot (prompt + new), the model's n_positions by default. The token budget
         of a step: `max_batched_tokens` (None: whole prompts; "auto": goodput from measured step times) or a
         strategy object (`budget`: plugins.serving.token_budget)."""
-        capacity = backend.config.n_positions if capacity is None else capacity
+        capacity = arch(backend.config).n_positions if capacity is None else capacity
         self.capacity = capacity
         self.runner = open_runner(backend, slots, capacity)
         self.kv = KVManager(self.runner.info, capacity, prefix_cache_bytes)

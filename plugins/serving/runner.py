@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plugins.core.config import ConfigError
+from plugins.core.config import ConfigError, arch
 from plugins.core.tensors import tensor_bytes
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import Backend, BatchDecoder
@@ -336,8 +336,8 @@ def open_runner(backend: Backend, slots: int, capacity: int):
     for name, value, least in (("slots", slots, 1), ("capacity", capacity, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
-    if capacity > backend.config.n_positions:
-        raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {backend.config.n_positions}")
+    if capacity > arch(backend.config).n_positions:
+        raise ConfigError(f"capacity {capacity} exceeds the model's n_positions {arch(backend.config).n_positions}")
     if backend.runs_elsewhere:
         return backend.open_runner(slots, capacity)
     decoder = backend.batch_decoder(slots, capacity)  # refuses what it cannot batch
@@ -346,9 +346,9 @@ def open_runner(backend: Backend, slots: int, capacity: int):
     if spec:
         draft = None
         if backend.draft is not None:
-            if capacity > backend.draft.config.n_positions:
+            if capacity > arch(backend.draft.config).n_positions:
                 raise ConfigError(f"capacity {capacity} exceeds the draft model's n_positions "
-                                  f"{backend.draft.config.n_positions}")
+                                  f"{arch(backend.draft.config).n_positions}")
             draft = backend.draft.batch_decoder(slots, capacity)
             decoder = DraftedDecoder(decoder, draft)
             draft_bytes = tensor_bytes(draft.pool_tensors())
