@@ -17,7 +17,6 @@ thread (as in mqa-serve).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import secrets
@@ -36,23 +35,6 @@ def error_code(exc: RequestError) -> str:
     if exc.status in (429, 503):
         return "UNAVAILABLE"
     return "INTERNAL" if exc.status >= 500 else "INVALID_ARG"
-
-
-def engine_of(served: Served):
-    """The serving engine behind `Served` (its attribute's name changed as the engine was refactored)."""
-    return getattr(served, "engine", None) or served.scheduler
-
-
-def _renamed(fields: dict) -> dict:
-    """The request's token counts under the names the serving core's request takes: OpenAI's
-    (max_tokens, min_tokens), or the older max_new_tokens / min_new_tokens."""
-    from plugins.serving import request
-
-    cls = getattr(request, "Request", None) or request.BatchRequest
-    if "max_tokens" in {f.name for f in dataclasses.fields(cls)}:
-        return fields
-    fields["max_new_tokens"], fields["min_new_tokens"] = fields.pop("max_tokens"), fields.pop("min_tokens")
-    return fields
 
 
 def samples(registry) -> list:
@@ -146,7 +128,7 @@ class Bridge:
         self._metrics_owner = writer
         try:
             await _send(writer, {"owner": True})
-            registry = engine_of(self.served).metrics.registry
+            registry = self.served.engine.metrics.registry
             while await reader.readline():
                 await _send(writer, {"samples": samples(registry)})
         finally:
@@ -182,13 +164,13 @@ class Bridge:
                 raise Invalid(f"`stop_token_ids` holds {token}: not a token of this model "
                               f"(vocabulary {served.vocab_size})")
         prompt = await served.prompt_ids(asked.text, name="text_input")
-        request = served.request(**_renamed(dict(
+        request = served.request(
             prompt=prompt, max_tokens=asked.max_tokens, do_sample=asked.sample,
             temperature=asked.temperature if asked.sample else 1.0, top_k=asked.top_k, top_p=asked.top_p,
             min_p=asked.min_p, seed=asked.seed if asked.seed is not None else secrets.randbits(62),
             eos_token_id=None if asked.ignore_eos else served.eos, repetition_penalty=asked.repetition_penalty,
             presence_penalty=asked.presence_penalty, frequency_penalty=asked.frequency_penalty,
-            min_tokens=asked.min_tokens, stop_token_ids=tuple(asked.stop_token_ids))))
+            min_tokens=asked.min_tokens, stop_token_ids=tuple(asked.stop_token_ids))
         [gen] = served.start([request], asked.stop, arrived, skip_special=True)
         return gen, prompt
 

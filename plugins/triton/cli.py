@@ -105,13 +105,18 @@ def main(argv=None) -> int:
     return serve(args, checked, install)
 
 
+def engine_settings(args) -> dict:
+    """What mqa-serve gives the serving engine besides the backend and the pool's shape (a unit test
+    checks that this names every other parameter ServingEngine takes)."""
+    return {"max_waiting": args.max_waiting, "prefix_cache_bytes": args.prefix_cache,
+            "max_batched_tokens": max_batched_tokens(args), "ttft_slo": args.ttft_slo, "itl_slo": args.itl_slo}
+
+
 def build_engine(backend, slots: int, capacity: int, args):
     """The serving engine over a loaded backend, as mqa-serve builds it."""
-    try:
-        from plugins.serving.engine import ServingEngine as Engine
-    except ImportError:  # before the serving core's refactor: the scheduler was the engine
-        from plugins.serving.scheduler import Scheduler as Engine
-    return Engine(backend, slots, capacity, args.max_waiting, args.prefix_cache, max_batched_tokens(args))
+    from plugins.serving.engine import ServingEngine
+
+    return ServingEngine(backend, slots, capacity, **engine_settings(args))
 
 
 def serve(args, checked: dict, install) -> int:
