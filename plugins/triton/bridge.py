@@ -17,6 +17,7 @@ thread (as in mqa-serve).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -115,7 +116,8 @@ class Bridge:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the stub left
         except (ValueError, TypeError, AttributeError) as e:  # not our stub's JSON (or over LINE_LIMIT)
-            await _send(writer, {"error": f"malformed request: {str(e)[:200]}", "code": "INVALID_ARG"})
+            with contextlib.suppress(ConnectionError):
+                await _send(writer, {"error": f"malformed request: {str(e)[:200]}", "code": "INVALID_ARG"})
         finally:
             self._tasks.discard(task)
             self._writers.discard(writer)
