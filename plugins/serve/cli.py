@@ -99,7 +99,7 @@ def check_args(ap, args) -> dict:
     """Every check of the flags and the checkpoint, before any work (mqa-fleet runs it for its replicas);
     what serving needs of them."""
     from plugins.core.checkpoint import read_hf_config
-    from plugins.core.config import ConfigError, check_tp
+    from plugins.core.config import ConfigError, arch, check_tp
     from plugins.core.tensors import resolve_dtype
     from plugins.engine.registry import backend_class
     from plugins.serving.runner import check_batchable
@@ -117,9 +117,10 @@ def check_args(ap, args) -> dict:
         ap.error(str(e))
     if args.node_rank > 0:  # node 0 holds the pool, the scheduler and the tokenizer
         return {"launch": launch}
-    capacity = args.max_model_len or config.n_positions
-    if not 2 <= capacity <= min(m.n_positions for m in models):
-        ap.error(f"--max-model-len must be in 2..{min(m.n_positions for m in models)} (the n_positions of the model"
+    longest = min(arch(m).n_positions for m in models)
+    capacity = args.max_model_len or arch(config).n_positions
+    if not 2 <= capacity <= longest:
+        ap.error(f"--max-model-len must be in 2..{longest} (the n_positions of the model"
                  f"{' and its draft' if len(models) > 1 else ''}), got {capacity}")
     if args.max_batch < 1:
         ap.error(f"--max-batch must be >= 1, got {args.max_batch}")
