@@ -27,7 +27,8 @@ import torch
 from transformers import GPTBigCodeConfig
 
 from converters.errors import ConversionError
-from plugins.core.config import head_dim, kv_heads
+from plugins.core.checkpoint import model_class
+from plugins.core.config import arch, head_dim, kv_heads
 
 TENSOR = "tensor"
 
@@ -140,22 +141,24 @@ def gptmodel(config: GPTBigCodeConfig, padded_vocab: int, tp: int = 1, tp_rank: 
     """megatron-core's GPTModel (local layer spec) for one TP rank and pipeline stage, on the meta device:
     the architecture fields that decide its tensors' names and shapes (plugins/megatron/model.py maps the rest)."""
     GPTModel, gpt_layer_specs, ProcessGroupCollection, TransformerConfig = _megatron_core()
+    a = arch(config)
     tc = TransformerConfig(
-        num_layers=config.n_layer if n_layers is None else n_layers, hidden_size=config.n_embd,
-        num_attention_heads=config.n_head, num_query_groups=kv_heads(config), kv_channels=head_dim(config),
-        ffn_hidden_size=config.n_inner or 4 * config.n_embd, normalization="LayerNorm",
-        layernorm_epsilon=config.layer_norm_epsilon, add_bias_linear=True, add_qkv_bias=True,
+        num_layers=a.n_layer if n_layers is None else n_layers, hidden_size=a.hidden,
+        num_attention_heads=a.n_head, num_query_groups=kv_heads(config), kv_channels=head_dim(config),
+        ffn_hidden_size=a.inner, normalization="LayerNorm",
+        layernorm_epsilon=a.eps, add_bias_linear=True, add_qkv_bias=True,
         tensor_model_parallel_size=tp, perform_initialization=False, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, persist_layer_norm=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, sequence_parallel=False, cuda_graph_scope=[])
     one, tp_group = _Group(), _Group(tp, tp_rank)
     pg = ProcessGroupCollection(tp=tp_group, pp=one, cp=one, embd=one, pos_embd=one, dp_cp=one)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="LayerNorm")
+    positions = {"position_embedding_type": "rope", "rotary_base": a.rope_theta} if a.rope else {
+        "position_embedding_type": "learned_absolute"}
     with _sized_groups(), torch.device("meta"):
         model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=padded_vocab,
-                         max_sequence_length=config.n_positions, pre_process=pre_process, post_process=post_process,
-                         share_embeddings_and_output_weights=config.tie_word_embeddings,
-                         position_embedding_type="learned_absolute", pg_collection=pg)
+                         max_sequence_length=a.n_positions, pre_process=pre_process, post_process=post_process,
+                         share_embeddings_and_output_weights=a.tied, pg_collection=pg, **positions)
     return model, spec
 
 
@@ -205,13 +208,16 @@ def mcore_sharded_keys(config: GPTBigCodeConfig, padded_vocab: int) -> dict:
 # --------------------------------------------------------------------------- Megatron-LM legacy, BigCode fork
 
 def legacy_stage_keys(n_layers: int, first: bool, last: bool, tied: bool, pp: int,
-                      fork_heads: str | None = None) -> dict:
+                      fork_heads: str | None = None, learned_positions: bool = True) -> dict:
     """A legacy-model stage file's flattened keys ('/' between levels) as NVIDIA's legacy GPT model (fork_heads
-    None) or BigCode's fork ("multiquery" / "multihead") loads them, after NVIDIA's layernorm -> norm rename."""
+    None) or BigCode's fork ("multiquery" / "multihead") loads them, after NVIDIA's layernorm -> norm rename.
+    With RoPE (`learned_positions` False) the embedding has no position table (its RotaryEmbedding keeps
+    no state)."""
     want = {}
     if first:
         want["language_model/embedding/word_embeddings/weight"] = TENSOR
-        want["language_model/embedding/position_embeddings/weight"] = TENSOR
+        if learned_positions:
+            want["language_model/embedding/position_embeddings/weight"] = TENSOR
     layer = NVIDIA_LEGACY_LAYER if fork_heads is None else dict.fromkeys(FORK_LAYER[fork_heads], TENSOR)
     for i in range(n_layers):
         want.update({f"language_model/encoder/layers.{i}.{name}": kind for name, kind in layer.items()})
@@ -236,11 +242,10 @@ def nvidia_legacy_view(got: dict) -> dict:
 # --------------------------------------------------------------------------- HF
 
 def hf_keys(config: GPTBigCodeConfig) -> dict:
-    """GPTBigCodeForCausalLM's state dict (shapes), without the tied head that is not stored."""
-    from transformers import GPTBigCodeForCausalLM
-
+    """The HF model's state dict (GPTBigCodeForCausalLM or Starcoder2ForCausalLM: shapes), without the tied
+    head that is not stored."""
     with torch.device("meta"):
-        model = GPTBigCodeForCausalLM(config)
+        model = model_class(config)(config)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         want.pop("lm_head.weight", None)

@@ -20,11 +20,12 @@ import torch
 from converters.formats import FORMATS, WRITABLE
 from converters.mapping import ConversionError, Layout, pool_kv_heads
 from plugins.core.atomic import OutputError, atomic_dir, check_destination
-from plugins.core.config import ConfigError, check_hf_config
+from plugins.core.config import ConfigError, arch, check_hf_config
 from plugins.core.config import kv_heads as kv_heads_of
 from plugins.core.tensors import storage_dtype
 
-ARCH = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "tie_word_embeddings", "layer_norm_epsilon")
+ARCH = ("family", "n_layer", "hidden", "n_head", "n_positions", "vocab_size", "tied", "eps", "inner", "kv_heads",
+        "rope_theta", "sliding_window")  # plugins.core.arch.Arch fields
 
 
 def format_module(name: str, write: bool = False):
@@ -53,14 +54,11 @@ def _stage(progress, name: str):
 
 def verify(config, hub: dict, config2, hub2: dict) -> None:
     """The written checkpoint must read back to exactly what was written."""
+    wrote, back = arch(config), arch(config2)
     for k in ARCH:
-        if getattr(config, k) != getattr(config2, k):
-            raise ConversionError(f"verification failed: {k} reads back as {getattr(config2, k)!r}, "
-                                  f"wrote {getattr(config, k)!r}")
-    if (config.n_inner or 4 * config.n_embd) != (config2.n_inner or 4 * config2.n_embd):
-        raise ConversionError("verification failed: n_inner differs")
-    if kv_heads_of(config) != kv_heads_of(config2):
-        raise ConversionError(f"verification failed: {kv_heads_of(config2)} KV heads, wrote {kv_heads_of(config)}")
+        if getattr(wrote, k) != getattr(back, k):
+            raise ConversionError(f"verification failed: {k} reads back as {getattr(back, k)!r}, "
+                                  f"wrote {getattr(wrote, k)!r}")
     if set(hub) != set(hub2):
         raise ConversionError(f"verification failed: tensors differ: {sorted(set(hub) ^ set(hub2))[:5]}")
     for name, t in hub.items():

@@ -13,8 +13,9 @@ from transformers import GPTBigCodeConfig
 
 from converters.mapping import ConversionError, check_hf_state
 from plugins.core.checkpoint import WEIGHTS_NAME, read_hf_config, read_hf_state
-from plugins.core.config import ConfigError, kv_heads
-from plugins.core.hf_files import ARCHITECTURES, write_generation_config, write_tokenizer_files
+from plugins.core.arch import ARCHITECTURES
+from plugins.core.config import ConfigError, arch, kv_heads
+from plugins.core.hf_files import write_generation_config, write_tokenizer_files
 
 # what transformers' tokenizers and generate() read from a model directory
 CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -41,7 +42,7 @@ def check_writable(config: GPTBigCodeConfig, tp_size: int = 1) -> None:
     if tp_size != 1:
         raise ConversionError(f"the HF format has no tensor parallelism (got tp_size={tp_size}); use --tp 1")
     groups = kv_heads(config)
-    if groups not in (1, config.n_head):
+    if arch(config).family == "gpt_bigcode" and groups not in (1, config.n_head):
         raise ConversionError(f"HF gpt_bigcode supports only MQA (1 KV head) or MHA ({config.n_head} KV heads), "
                               f"not {groups} KV heads; write GQA to a Megatron format instead")
 
@@ -60,18 +61,20 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     except ValueError:  # a vocabulary the project's tokenizer does not fit (a Megatron source's own): none is guessed
         pass
     write_generation_config(dst, config)
-    config.architectures = list(ARCHITECTURES)
+    config.architectures = [ARCHITECTURES[arch(config).family]]
     config.save_pretrained(dst)
     state = {k: v.contiguous() for k, v in hf_state.items()}
     save_file(state, dst / WEIGHTS_NAME, metadata={"format": "pt"})
 
 
 def check_loadable(dst: str | Path, config: GPTBigCodeConfig) -> None:
-    """The weights file holds exactly GPTBigCodeForCausalLM's tensors and shapes (the tied head aside)."""
+    """The weights file holds exactly the HF model's tensors and shapes (GPTBigCodeForCausalLM or
+    Starcoder2ForCausalLM; the tied head aside)."""
     from safetensors import safe_open
 
     from converters import consumers
 
     with safe_open(Path(dst) / WEIGHTS_NAME, framework="pt") as f:
         got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    consumers.check_strict(WEIGHTS_NAME, got, consumers.hf_keys(config), "transformers' GPTBigCodeForCausalLM")
+    consumers.check_strict(WEIGHTS_NAME, got, consumers.hf_keys(config),
+                           f"transformers' {ARCHITECTURES[arch(config).family]}")

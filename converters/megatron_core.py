@@ -2,7 +2,7 @@
 saves and megatron-core / Megatron-LM load), read and written as plain state dicts, no model.
 
 A directory holds megatron-core's files (`metadata.json`, `common.pt`, torch.distributed.checkpoint's
-`.metadata` and `__R_T.distcp`) plus ours: `config.json` (the HF `GPTBigCodeConfig`) and
+`.metadata` and `__R_T.distcp`) plus ours: `config.json` (the HF config, either family) and
 `megatron.json` (dtype, padded vocabulary, the TP size the vocabulary was padded for). Tensors are
 global: per-layer tensors stacked on a leading layer axis under `decoder.layers.<name>`, layer
 norms under the names megatron-core's local layer spec maps them to (`LAYER_KEYS` below), and one
@@ -27,7 +27,8 @@ from transformers import GPTBigCodeConfig
 
 from converters.mapping import (TE_LAYER_NORMS, ConversionError, check_megatron_config, hf_to_megatron,
                                 megatron_to_hf, padded_vocab_size, stored_dtype)
-from plugins.core.config import check_hf_config, hf_shapes
+from plugins.core.checkpoint import CONFIG_CLASSES
+from plugins.core.config import arch, check_hf_config, hf_shapes
 from plugins.core.tensors import FLOAT_DTYPES, dtype_name
 
 FORMAT = "megatron-core dist_checkpointing"
@@ -102,10 +103,11 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     dst = Path(dst)
     padded = padded_vocab_size(config.vocab_size, tp_size)
     state = hf_to_megatron(hf_state, config, "mcore", 1, padded, progress=progress)[0]
-    tensors = dist_tensors(state, config.n_layer)
+    n_layer = arch(config).n_layer
+    tensors = dist_tensors(state, n_layer)
     # a local-spec linear's extra state, as megatron-core stores it: torch.save of [None]
-    objects = {f"{LAYER_PREFIX}{m}._extra_state/shard_{i}_{config.n_layer}": [None]
-               for m in EXTRA_STATE for i in range(config.n_layer)}
+    objects = {f"{LAYER_PREFIX}{m}._extra_state/shard_{i}_{n_layer}": [None]
+               for m in EXTRA_STATE for i in range(n_layer)}
     # as megatron-core saves: keys not flattened; the planner torch.saves each object
     dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(str(dst), thread_count=1),
              planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
@@ -177,7 +179,8 @@ def read_meta(src: str | Path) -> dict:
 def read_config(src: str | Path) -> GPTBigCodeConfig:
     read_meta(src)
     try:
-        config = GPTBigCodeConfig.from_json_file(Path(src) / "config.json")
+        raw = json.loads((Path(src) / "config.json").read_text())
+        config = CONFIG_CLASSES.get(raw.get("model_type"), GPTBigCodeConfig).from_dict(raw)
     except Exception as e:  # invalid JSON, transformers' own field validation
         raise ConversionError(f"{src}/config.json: not a valid config ({type(e).__name__}: {e})") from None
     check_hf_config(config, f"{src}/config.json")
@@ -201,7 +204,7 @@ def expected_shapes(config: GPTBigCodeConfig, padded: int) -> dict[str, tuple]:
     """Global shape of every tensor the checkpoint must hold (from the mapping table, on meta tensors)."""
     meta = {k: torch.empty(v, device="meta") for k, v in hf_shapes(config).items()}
     state = hf_to_megatron(meta, config, "mcore", 1, padded)[0]
-    return {k: tuple(t.shape) for k, t in dist_tensors(state, config.n_layer).items()}
+    return {k: tuple(t.shape) for k, t in dist_tensors(state, arch(config).n_layer).items()}
 
 
 def read(src: str | Path, progress=None) -> tuple[GPTBigCodeConfig, dict]:

@@ -33,16 +33,17 @@ from argparse import Namespace
 from pathlib import Path
 
 import torch
-from transformers import GPTBigCodeConfig
+from transformers import GPTBigCodeConfig, Starcoder2Config
 
 from converters import consumers
+from converters.kv_heads import layer_kv
 from converters.mapping import (ConversionError, Layout, hf_to_megatron, megatron_to_hf, padded_vocab_size,
                                 pool_kv_heads, regroup_kv_heads, stored_dtype, with_groups)
 from converters.megatron_pt import flatten, load_checkpoint_file, nest  # noqa: F401 (used by tests and bigcode)
 from converters.stages import (FILE, LEGACY, TRACKER, check_args, compact, iteration_dir,  # noqa: F401
                                layers_per_stage, merge_stages, rank_dir, read_layout, save_stages, split_stages)
 from converters.stages import read_stages as _read_stages
-from plugins.core.config import TANH_GELUS, check_hf_config, kv_heads
+from plugins.core.config import TANH_GELUS, arch, check_hf_config, kv_heads
 
 ENCODER = "language_model/encoder/"
 OUTPUT_LAYER = "language_model/output_layer/weight"  # untied head
@@ -50,27 +51,30 @@ OUTPUT_LAYER = "language_model/output_layer/weight"  # untied head
 
 # --------------------------------------------------------------------------- args
 
-def make_args(config: GPTBigCodeConfig, tp_size: int, pp_size: int, padded_vocab: int, groups: int,
+def make_args(config, tp_size: int, pp_size: int, padded_vocab: int, groups: int,
               dtype: torch.dtype) -> Namespace:
     """What a Megatron-LM run that trained this model would have stored: every field NVIDIA's
     `check_checkpoint_args` / `load_args_from_checkpoint` / tools/checkpoint and HF's megatron_gpt2
-    converter read (tests/unit/test_converters.py lists them)."""
-    if config.activation_function not in TANH_GELUS + ("gelu",):
-        raise ConversionError(f"activation {config.activation_function!r} has no Megatron equivalent")
-    h = config.n_embd
-    return Namespace(
-        num_layers=config.n_layer, hidden_size=h, ffn_hidden_size=config.n_inner or 4 * h,
-        num_attention_heads=config.n_head, kv_channels=h // config.n_head,
-        group_query_attention=groups != config.n_head, num_query_groups=groups,
-        max_position_embeddings=config.n_positions, seq_length=config.n_positions,
+    converter read (tests/unit/test_converters.py lists them). StarCoder2: RoPE (`rotary_base` = its
+    rope_theta, a float where the model's is: 3B's is not an integer) and `window_size` = (window - 1, 0),
+    megatron-core's flash-attention convention for HF's `sliding_window`."""
+    a = arch(config)
+    if a.activation not in TANH_GELUS + ("gelu",):
+        raise ConversionError(f"activation {a.activation!r} has no Megatron equivalent")
+    h = a.hidden
+    args = Namespace(
+        num_layers=a.n_layer, hidden_size=h, ffn_hidden_size=a.inner,
+        num_attention_heads=a.n_head, kv_channels=a.head_dim,
+        group_query_attention=groups != a.n_head, num_query_groups=groups,
+        max_position_embeddings=a.n_positions, seq_length=a.n_positions,
         position_embedding_type="learned_absolute", add_position_embedding=True,
         use_rotary_position_embeddings=False,
         vocab_size=config.vocab_size, padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=128,
         tokenizer_type="GPT2BPETokenizer", orig_vocab_size=config.vocab_size,
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        normalization="LayerNorm", layernorm_epsilon=config.layer_norm_epsilon, apply_layernorm_1p=False,
+        untie_embeddings_and_output_weights=not a.tied,
+        normalization="LayerNorm", layernorm_epsilon=a.eps, apply_layernorm_1p=False,
         add_bias_linear=True, add_qkv_bias=True, swiglu=False, squared_relu=False,
-        bias_gelu_fusion=config.activation_function in TANH_GELUS, openai_gelu=False,  # tanh GELU
+        bias_gelu_fusion=a.activation in TANH_GELUS, openai_gelu=False,  # tanh GELU
         apply_query_key_layer_scaling=False, attention_softmax_in_fp32=True,
         hidden_dropout=0.0, attention_dropout=0.0,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16, params_dtype=dtype,
@@ -79,35 +83,76 @@ def make_args(config: GPTBigCodeConfig, tp_size: int, pp_size: int, padded_vocab
         ckpt_format="torch", bert_binary_head=False, iteration=0,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
     )
+    if a.rope:
+        args.position_embedding_type, args.add_position_embedding = "rope", False
+        args.use_rotary_position_embeddings = True
+        args.rotary_base, args.rotary_percent, args.rotary_interleaved = a.rope_theta, 1.0, False
+        args.window_size = None if a.sliding_window is None else (a.sliding_window - 1, 0)
+    return args
 
 
-def config_from_args(args: Namespace, groups: int, hf_config: dict | None = None) -> GPTBigCodeConfig:
+def rope_args(args: Namespace) -> bool:
+    """Whether args describe rotary positions (what StarCoder2 has) rather than a learned table."""
+    return (getattr(args, "position_embedding_type", None) == "rope"
+            or bool(getattr(args, "use_rotary_position_embeddings", False)))
+
+
+def _starcoder2_arch(args: Namespace, tanh: bool) -> dict:
+    theta = getattr(args, "rotary_base", 10000)
+    window = getattr(args, "window_size", None)
+    if getattr(args, "rotary_percent", 1.0) != 1.0 or getattr(args, "rotary_interleaved", False):
+        raise ConversionError("args: partial or interleaved rotary embeddings have no HF starcoder2 equivalent")
+    if window is not None and (not isinstance(window, (tuple, list)) or len(window) != 2 or window[1] != 0
+                               or not isinstance(window[0], int) or window[0] < 0):
+        raise ConversionError(f"args.window_size {window!r}: HF starcoder2 has a causal window (left, 0) only")
+    h = args.hidden_size
+    return dict(model_type="starcoder2", num_hidden_layers=args.num_layers, hidden_size=h,
+                num_attention_heads=args.num_attention_heads,
+                max_position_embeddings=args.max_position_embeddings,
+                vocab_size=getattr(args, "vocab_size", None) or args.padded_vocab_size,
+                intermediate_size=getattr(args, "ffn_hidden_size", None) or 4 * h,
+                hidden_act="gelu_pytorch_tanh" if tanh else "gelu",
+                norm_epsilon=getattr(args, "layernorm_epsilon", 1e-5),
+                tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+                rope_parameters={"rope_type": "default", "rope_theta": theta},
+                sliding_window=None if window is None else window[0] + 1)
+
+
+def config_from_args(args: Namespace, groups: int, hf_config: dict | None = None):
+    """The HF config args describe: gpt_bigcode with learned positions, starcoder2 with RoPE. A stored
+    `hf_config` of the same architecture supplies the rest (token ids, init range, ...)."""
     tanh = getattr(args, "bias_gelu_fusion", False) or getattr(args, "openai_gelu", False)
     h = args.hidden_size
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
-    arch = dict(
-        n_layer=args.num_layers, n_embd=h, n_head=args.num_attention_heads,
-        n_positions=args.max_position_embeddings,
-        vocab_size=getattr(args, "vocab_size", None) or args.padded_vocab_size,
-        n_inner=None if ffn == 4 * h else ffn,
-        activation_function="gelu_pytorch_tanh" if tanh else "gelu",
-        layer_norm_epsilon=getattr(args, "layernorm_epsilon", 1e-5),
-        tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-    )
-    family = lambda act: "tanh" if act in TANH_GELUS else act  # noqa: E731
-    same = isinstance(hf_config, dict) and all(hf_config.get(k) == v for k, v in arch.items()
-                                               if k != "activation_function")
-    if same and family(hf_config.get("activation_function")) == family(arch["activation_function"]):
-        base = dict(hf_config)  # same architecture: keep the rest (token ids, init range, ...)
-        arch["activation_function"] = base.get("activation_function", arch["activation_function"])
+    if rope_args(args):
+        arch_ = _starcoder2_arch(args, tanh)
+        act_key, cls = "hidden_act", Starcoder2Config
+        base_defaults = dict(attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0, use_bias=True)
     else:
-        base = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    base.update(arch)
+        arch_ = dict(
+            n_layer=args.num_layers, n_embd=h, n_head=args.num_attention_heads,
+            n_positions=args.max_position_embeddings,
+            vocab_size=getattr(args, "vocab_size", None) or args.padded_vocab_size,
+            n_inner=None if ffn == 4 * h else ffn,
+            activation_function="gelu_pytorch_tanh" if tanh else "gelu",
+            layer_norm_epsilon=getattr(args, "layernorm_epsilon", 1e-5),
+            tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        )
+        act_key, cls = "activation_function", GPTBigCodeConfig
+        base_defaults = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    family = lambda act: "tanh" if act in TANH_GELUS else act  # noqa: E731
+    same = isinstance(hf_config, dict) and all(hf_config.get(k) == v for k, v in arch_.items() if k != act_key)
+    if same and family(hf_config.get(act_key)) == family(arch_[act_key]):
+        base = dict(hf_config)  # same architecture: keep the rest (token ids, init range, ...)
+        arch_[act_key] = base.get(act_key, arch_[act_key])
+    else:
+        base = base_defaults
+    base.update(arch_)
     base.pop("num_query_groups", None)
     try:
-        config = with_groups(GPTBigCodeConfig.from_dict(base), groups)
+        config = with_groups(cls.from_dict(base), groups)  # the KV heads: the args' own
     except (TypeError, ValueError) as e:
-        raise ConversionError(f"args do not describe a gpt_bigcode model: {e}") from None
+        raise ConversionError(f"args do not describe a {cls.model_type} model: {e}") from None
     check_hf_config(config, "args")
     return config
 
@@ -144,8 +189,9 @@ def duplicate_kv_heads(hf_state: dict, config: GPTBigCodeConfig, groups: int) ->
 def check_writable(config: GPTBigCodeConfig, tp_size: int = 1, pp_size: int = 1) -> None:
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ConversionError(f"pp_size must be a positive integer, got {pp_size!r}")
-    if config.n_layer % pp_size:
-        raise ConversionError(f"pp_size {pp_size} does not divide n_layer {config.n_layer} (Megatron-LM's legacy "
+    n_layer = arch(config).n_layer
+    if n_layer % pp_size:
+        raise ConversionError(f"pp_size {pp_size} does not divide n_layer {n_layer} (Megatron-LM's legacy "
                               "model splits layers evenly over pipeline stages)")
     Layout(config, tp_size, None, "legacy")
 
@@ -160,7 +206,7 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     padded = padded_vocab_size(config.vocab_size, tp_size)
     args = make_args(wide, tp_size, pp_size, padded, groups, stored_dtype(hf_state))
     ranks = hf_to_megatron(state, wide, "legacy", tp_size, padded, progress=progress)
-    counts = [config.n_layer // pp_size] * pp_size
+    counts = [arch(config).n_layer // pp_size] * pp_size
     stages = [split_stages(r, counts, config.tie_word_embeddings) for r in ranks]
     save_stages(Path(dst), stages, args, {"hf_config": config.to_dict()}, model=lambda state, t, p: nest(
         with_extra_state(state)))
@@ -194,7 +240,8 @@ def check_loadable(dst: str | Path, config: GPTBigCodeConfig, fork_heads: str | 
             got = consumers.flat_values(load_checkpoint_file(f)["model"])
             if fork_heads is None:
                 got = consumers.nvidia_legacy_view(got)
-            want = consumers.legacy_stage_keys(counts[p], p == 0, p == pp - 1, tied, pp, fork_heads)
+            want = consumers.legacy_stage_keys(counts[p], p == 0, p == pp - 1, tied, pp, fork_heads,
+                                               learned_positions=not rope_args(args))
             consumers.check_strict(str(f.relative_to(dst)), got, want, f"{consumer} (TP rank {t}, PP stage {p})")
 
 
@@ -210,19 +257,21 @@ def read(src: str | Path, iteration: int | None = None, progress=None) -> tuple[
     return undo_kv_duplication(config, hub, meta.get("hf_config"), str(it_dir))
 
 
-def undo_kv_duplication(config: GPTBigCodeConfig, hub: dict, hf_config, where: str):
+def undo_kv_duplication(config, hub: dict, hf_config, where: str):
     """Pool K/V heads that `write` duplicated back to the stored HF config's count, if every copy is
     identical (else the checkpoint has really that many KV heads, e.g. after training: keep them)."""
     if not isinstance(hf_config, dict):
         return config, hub
-    want = hf_config.get("num_query_groups") or (1 if hf_config.get("multi_query") else config.n_head)
+    a = arch(config)
+    if a.family == "starcoder2":
+        want = hf_config.get("num_key_value_heads")
+    else:
+        want = hf_config.get("num_query_groups") or (1 if hf_config.get("multi_query") else a.n_head)
     have = kv_heads(config)
-    if not isinstance(want, int) or want >= have or have % want:
+    if not isinstance(want, int) or want < 1 or want >= have or have % want:
         return config, hub
-    d, n = config.n_embd // config.n_head, config.n_head
-    for i in range(config.n_layer):
-        t = hub[f"transformer.h.{i}.attn.c_attn.weight"]
-        kv = t.reshape(have, n // have + 2, d, -1)[:, n // have:].reshape(want, have // want, -1)
+    for i in range(a.n_layer):
+        kv = layer_kv(hub, config, i, "weight").reshape(want, have // want, -1)
         if not bool((kv == kv[:, :1]).all()):
             return config, hub
     return pool_kv_heads(hub, config, want)

@@ -34,7 +34,7 @@ from converters.megatron_legacy import config_from_args, make_args
 from converters.megatron_pt import load_checkpoint_file
 from converters.stages import (FILE, MCORE, layers_per_stage, rank_dir, read_layout, read_stages, save_stages,
                                split_stages)
-from plugins.core.config import kv_heads
+from plugins.core.config import arch, kv_heads
 
 SPECS = {"local": "mcore", "te": "mcore-te"}  # --layer-spec -> the mapping table's dialect
 TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}  # Megatron-LM's --transformer-impl
@@ -48,8 +48,9 @@ def check_writable(config: GPTBigCodeConfig, tp_size: int = 1, pp_size: int = 1,
         raise ConversionError(f"layer_spec must be one of {', '.join(SPECS)}, got {layer_spec!r}")
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ConversionError(f"pp_size must be a positive integer, got {pp_size!r}")
-    if config.n_layer % pp_size:
-        raise ConversionError(f"pp_size {pp_size} does not divide n_layer {config.n_layer}")
+    n_layer = arch(config).n_layer
+    if n_layer % pp_size:
+        raise ConversionError(f"pp_size {pp_size} does not divide n_layer {n_layer}")
     check_megatron_config(config, tp_size, "mcore")
 
 
@@ -59,7 +60,8 @@ def torch_args(config: GPTBigCodeConfig, tp_size: int, pp_size: int, padded: int
     args = make_args(config, tp_size, pp_size, padded, kv_heads(config), dtype)
     args.transformer_impl = TRANSFORMER_IMPL[layer_spec]
     args.spec = None  # the default GPT layer spec of transformer_impl
-    args.rotary_base, args.rotary_percent, args.rotary_interleaved = 10000, 1.0, False  # unused: learned positions
+    if not arch(config).rope:  # Megatron-LM's defaults, unused with learned positions
+        args.rotary_base, args.rotary_percent, args.rotary_interleaved = 10000, 1.0, False
     args.num_experts, args.use_dist_ckpt = None, False
     args.no_save_optim = args.no_save_rng = True
     return args
@@ -86,7 +88,7 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     padded = padded_vocab_size(config.vocab_size, tp_size)
     args = torch_args(config, tp_size, pp_size, padded, layer_spec, stored_dtype(hf_state))
     ranks = hf_to_megatron(hf_state, config, SPECS[layer_spec], tp_size, padded, progress=progress)
-    counts = [config.n_layer // pp_size] * pp_size
+    counts = [arch(config).n_layer // pp_size] * pp_size
     stages = [split_stages(r, counts, config.tie_word_embeddings, MCORE) for r in ranks]
     save_stages(Path(dst), stages, args, {"num_floating_point_operations_so_far": 0, "hf_config": config.to_dict()},
                 model=lambda state, t, p: model_entry(state, layer_spec, p == pp_size - 1))
@@ -95,9 +97,9 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
 # --------------------------------------------------------------------------- read
 
 def check_model_args(args: Namespace, where: str) -> None:
-    """A GPT model that gpt_bigcode can express: refused by its args before any tensor is read."""
+    """A GPT model that gpt_bigcode or starcoder2 can express: refused by its args before any tensor is read."""
     refuse = {
-        "position_embedding_type": lambda v: v not in (None, "learned_absolute"),
+        "position_embedding_type": lambda v: v not in (None, "learned_absolute", "rope"),
         "normalization": lambda v: v not in (None, "LayerNorm"),
         "swiglu": bool, "squared_relu": bool, "apply_layernorm_1p": bool, "qk_layernorm": bool,
         "multi_latent_attention": bool, "num_experts": bool,
@@ -106,8 +108,8 @@ def check_model_args(args: Namespace, where: str) -> None:
     for name, bad in refuse.items():
         value = getattr(args, name, None)
         if bad(value):
-            raise ConversionError(f"{where}: args.{name} = {value!r}; gpt_bigcode has learned absolute positions, "
-                                  "LayerNorm, a biased GELU MLP and no experts")
+            raise ConversionError(f"{where}: args.{name} = {value!r}; gpt_bigcode (learned absolute positions) "
+                                  "and starcoder2 (RoPE) have LayerNorm, a biased GELU MLP and no experts")
 
 
 def detect_spec(state: dict, where: str) -> str:
