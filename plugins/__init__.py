@@ -6,14 +6,14 @@ StarCoder) on DeepSpeed-Inference and megatron-core.
   plugins.kernels    the CPU linear ladder (measured choice, compiled kernels) and quantization
   plugins.engine     the engine contract, the registry, sampling, generate loop, speculative decoding
   plugins.serving    KV pool, prefix cache, the continuous batch, the request scheduler
-  plugins.dist       the launcher: an engine's ranks in worker processes (torchrun / deepspeed)
+  plugins.launch       the launcher: an engine's ranks in worker processes (torchrun / deepspeed)
   plugins.hf         the Hugging Face baseline engine
   plugins.deepspeed  DeepSpeed kernel injection (our policy: injection/) and AutoTP
   plugins.megatron   megatron-core GPTModel
   plugins.peers      CTranslate2 and llama.cpp, each in a worker process of its own
   plugins.train      training, the checkpoint maker
   plugins.bench      bench configs, machine probes, the comparison grid, reports, roofline
-  plugins.serve      the OpenAI-compatible HTTP server
+  plugins.http      the OpenAI-compatible HTTP server
 
 The everyday entry points are importable from here, e.g. `from plugins import load_backend`.
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx2
 import openai
 
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SLOTS = 4
@@ -24,7 +24,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(ckpt).parent / f"server-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "plugins.serve", str(ckpt), "--dtype", "float32", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "plugins.http", str(ckpt), "--dtype", "float32", "--port", str(self.port),
                "--max-waiting", str(max_waiting), "--graceful-timeout", str(graceful_timeout), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300

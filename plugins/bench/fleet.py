@@ -31,7 +31,7 @@ import httpx2
 
 from plugins.bench.load import Req, closed_loop, make_requests, results_dir, stream_one
 from plugins.bench.serving import summarize
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 
 FLEETS = {  # name -> (mqa-fleet flags, workloads)
     "2x-tp1-cache-aware": (["--replicas", "2", "--policy", "cache_aware"], ("streams", "editor")),

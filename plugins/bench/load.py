@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.serving.args import serve_flags
 
 READY_TIMEOUT_S = 900.0  # a first start may build the CPU kernels (minutes)
@@ -70,7 +70,7 @@ def make_requests(tok, prompt_len: int, max_tokens: list[int]) -> list[Req]:
 # --- the server, as a subprocess -----------------------------------------------------------------
 
 class ServerProcess:
-    """`python -m plugins.serve` in its own session (process group), so stopping it also stops its TP workers."""
+    """`python -m plugins.http` in its own session (process group), so stopping it also stops its TP workers."""
 
     def __init__(self, args, max_model_len: int, log_path: Path, prefix_cache: int = 0):
         from plugins.core.config import REPO_ROOT
@@ -78,7 +78,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "plugins.serve", str(args.checkpoint_dir), "--backend", args.backend,
+        cmd = [sys.executable, "-m", "plugins.http", str(args.checkpoint_dir), "--backend", args.backend,
                "--dtype", args.dtype, "--tp", str(args.tp), "--kv-budget", str(args.kv_budget),
                "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
                # the mixed phase sends every request at once: none may be refused for a full queue

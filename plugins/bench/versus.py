@@ -61,7 +61,7 @@ import httpx2
 from plugins.bench import versus_deploy as deploy
 from plugins.bench import versus_report as report
 from plugins.bench.load import ServerProcess, results_dir
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.serving.args import add_engine_args
 
 

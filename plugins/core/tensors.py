@@ -39,7 +39,7 @@ def world_size() -> int:
 
 
 def needs_ranks(tp_size: int) -> bool:
-    """Whether an engine of `tp_size` ranks must start them (plugins.dist), or this process is one of them."""
+    """Whether an engine of `tp_size` ranks must start them (plugins.launch), or this process is one of them."""
     return tp_size > world_size()
 
 

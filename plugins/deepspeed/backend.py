@@ -13,7 +13,7 @@ speculative decoding; "int8" / "int4" draft with the target's own layers quantiz
 the k tokens that followed the last match of the trailing `ngram` tokens (default 2) in the prompt
 and the text so far: transformers' `prompt_lookup_num_tokens`, k defaults to 10 there).
 
-tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.dist.launcher,
+tp_size > 1: called in a plain process, `from_hf` starts the ranks itself (plugins.launch.launcher,
 torchrun or `deepspeed --num_accelerators N`) and returns a RemoteBackend; inside a rank (torch
 distributed initialised with world size N), it injects with `tensor_parallel={"tp_size": N}`.
 """
@@ -59,7 +59,7 @@ class DeepSpeedBackend(HFModelBackend):
                 speculative: dict | None = None, timeout_s: float = 600.0, env: dict | None = None,
                 nnodes: int = 1, rdzv_endpoint: str | None = None):
         """launcher, timeout_s, env, nnodes, rdzv_endpoint: how the ranks of tp_size > 1 are started
-        (plugins.dist.launcher)."""
+        (plugins.launch.launcher)."""
         device = device or default_device()
         resolved = resolve_dtype(dtype, device)
         if "int4" in (quantize, (speculative or {}).get("draft")) and device != "cpu":
@@ -71,7 +71,7 @@ class DeepSpeedBackend(HFModelBackend):
         if needs_ranks(tp_size):
             from injection.compat import sweep_shm_segments
             from plugins.core.console import announce, extension_built
-            from plugins.dist.launcher import RemoteBackend
+            from plugins.launch.launcher import RemoteBackend
 
             sweep_shm_segments()  # what ranks killed before they could unlink their segments left in RAM
             if device == "cpu" and not extension_built("deepspeed_shm_comm"):

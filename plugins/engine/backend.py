@@ -22,7 +22,7 @@ class LocalBackend:
     config: GPTBigCodeConfig
     device: str
     kv_layout = "head"  # KV cache over TP ranks: "head" (heads split, MQA's one head copied) or "batch"
-    runs_elsewhere = False  # its ranks are other processes (plugins.dist): a model runner opens on each
+    runs_elsewhere = False  # its ranks are other processes (plugins.launch): a model runner opens on each
     speculative: dict | None = None  # speculative decoding's checked options (deepspeed) ...
     draft = None                     # ... and the draft model's backend (None: prompt lookup)
 

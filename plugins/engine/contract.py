@@ -35,7 +35,7 @@ class Backend(Protocol):
     tp_size: int
     device: str
     kv_layout: str  # "head" (KV heads split over ranks, MQA's one head copied) or "batch" (sequences split)
-    runs_elsewhere: bool  # its ranks are worker processes (plugins.dist): `open_runner` opens one on each
+    runs_elsewhere: bool  # its ranks are worker processes (plugins.launch): `open_runner` opens one on each
     speculative: dict | None  # speculative decoding's options ({"k", "draft", ...}) where loaded with them
     draft: "Backend | None"   # the draft model's backend (None: prompt lookup, or no speculation)
 

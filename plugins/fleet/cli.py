@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.fleet.replicas import (ROUTER_POLICIES, Child, Fleet, FleetError, core_shares, healthy, replica_command,
                                     router_command)
 
@@ -58,8 +58,8 @@ def parse_args(argv=None):
         if not url.startswith(("http://", "https://")):
             ap.error(f"--workers takes URLs such as http://HOST:PORT, got {url!r}")
     if args.replicas:
-        from plugins.serve.cli import check_args
-        from plugins.serve.cli import parse_args as serve_parse_args
+        from plugins.http.cli import check_args
+        from plugins.http.cli import parse_args as serve_parse_args
 
         for flag in ("--host", "--port"):  # the replicas' own: chosen here
             if any(a == flag or a.startswith(flag + "=") for a in serve_args):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx2
 
-from plugins.dist.worker import die_with_parent
+from plugins.launch.worker import die_with_parent
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "consistent_hash")
 
@@ -46,7 +46,7 @@ def core_shares(cores: list[int], n: int) -> list[list[int]]:
 
 
 def replica_command(checkpoint: Path, port: int, serve_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "plugins.serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
+    return [sys.executable, "-m", "plugins.http", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
             *serve_args]
 
 

@@ -3,7 +3,7 @@
 TP > 1 needs one process per rank. Inside ranks (e.g. `torchrun --nproc_per_node 2 script.py`
 calling `from_hf(..., tp_size=2)` everywhere) the model is built right here and every rank
 returns the same results. From a single process, `from_hf(..., tp_size=2)` starts the ranks
-with `plugins.dist.launcher` and returns its proxy, which forwards every call to them.
+with `plugins.launch.launcher` and returns its proxy, which forwards every call to them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from plugins.engine.backend import LocalBackend
 from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
 from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
 
-# how ranks are started (plugins.dist.launcher)
+# how ranks are started (plugins.launch.launcher)
 LAUNCHER_OPTIONS = ("launcher", "env", "timeout_s", "nnodes", "rdzv_endpoint")
 
 
@@ -31,7 +31,7 @@ def _no_options(options: dict) -> None:
 
 
 def _remote(method: str, path, dtype, tp_size: int, **options):
-    from plugins.dist.launcher import RemoteBackend
+    from plugins.launch.launcher import RemoteBackend
     return RemoteBackend("megatron", path, dtype=dtype, tp_size=tp_size, method=method, **options)
 
 

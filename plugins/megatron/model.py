@@ -19,7 +19,7 @@ from transformers import GPTBigCodeConfig
 from converters.mapping import check_megatron_config, padded_vocab_size
 from plugins.core.config import TANH_GELUS, ConfigError, head_dim, kv_heads
 from plugins.core.tensors import process_group_backend, use_local_gpu
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.megatron import compat
 from plugins.megatron.attention import SDPAttention
 

@@ -1,7 +1,7 @@
 """Engines a user would pick instead of ours, behind the same Backend protocol, converted from our
 checkpoints by each project's own converter: CTranslate2 (ctranslate2.py), llama.cpp (llamacpp.py).
 
-Each runs in a worker process of its own (`plugins.dist.launcher`, launcher 'process'): their native
+Each runs in a worker process of its own (`plugins.launch.launcher`, launcher 'process'): their native
 code is not ours, and a crash in it (SIGILL from an instruction the build assumed, a segfault) must end
 that engine's rows with one clear error, not the bench or the test session that loaded it."""
 
@@ -19,8 +19,8 @@ from plugins.core.hf_files import ARCHITECTURES, is_complete, write_companions
 def in_own_process(cls, hf_dir, dtype, options: dict):
     """`cls.from_hf(hf_dir, dtype, **options)` run in a worker process (a RemoteBackend), when called
     outside one; None inside the worker, where the engine loads in-process."""
-    from plugins.dist.launcher import RemoteBackend
-    from plugins.dist.worker import in_worker
+    from plugins.launch.launcher import RemoteBackend
+    from plugins.launch.worker import in_worker
 
     if in_worker():
         return None

@@ -332,7 +332,7 @@ def check_batchable(cls) -> None:
 def open_runner(backend: Backend, slots: int, capacity: int):
     """A model runner of `slots` rows of `capacity` tokens on `backend`, its KV pool allocated now
     (`execute(SchedulerOutput) -> StepResult`, `info`). A backend whose ranks run elsewhere
-    (plugins.dist) opens one on each rank."""
+    (plugins.launch) opens one on each rank."""
     for name, value, least in (("slots", slots, 1), ("capacity", capacity, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")

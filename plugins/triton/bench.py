@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, "stream": true, '
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
 
     def measure_serve():
         port = free_port()
-        serve = run_server([sys.executable, "-m", "plugins.serve", str(args.checkpoint_dir), "--port", str(port),
+        serve = run_server([sys.executable, "-m", "plugins.http", str(args.checkpoint_dir), "--port", str(port),
                             *engine], f"http://127.0.0.1:{port}/health", out / "mqa-serve.log")
         try:
             rows["mqa-serve"] = aiperf(args, ["--endpoint-type", "completions", "--extra-inputs", "ignore_eos:true",

@@ -24,8 +24,8 @@ import secrets
 import threading
 import time
 
-from plugins.serve.api import RequestError
-from plugins.serve.served import GenerationFailed, Served
+from plugins.http.api import RequestError
+from plugins.http.served import GenerationFailed, Served
 from plugins.triton.params import Asked, Invalid, parse
 
 LINE_LIMIT = 64 << 20  # one request line: Triton's own HTTP input limit is 64 MB

@@ -41,7 +41,7 @@ HTTP_ONLY = ("--read-timeout", "--max-body-bytes", "--max-connections", "--keep-
 
 def parse_args(argv=None):
     # mqa-serve's own parser is the parent: every engine and scheduler flag it has (or gains) is ours too
-    from plugins.serve import cli as serve_cli
+    from plugins.http import cli as serve_cli
 
     serve_ap, _ = serve_cli.parse_args(["CHECKPOINT"])
     ap = argparse.ArgumentParser(prog="mqa-triton", description=__doc__, parents=[serve_ap],
@@ -84,7 +84,7 @@ def check_triton_args(ap, args) -> None:
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
     from plugins.core.console import announce, exit_without_collecting, quiet_upstream
-    from plugins.serve import cli as serve_cli
+    from plugins.http import cli as serve_cli
     from plugins.triton.server import TritonMissing, find_install
 
     quiet_upstream()
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             ap.error(str(e))
     checked = serve_cli.check_args(ap, args)
     if args.node_rank > 0:  # the other machines of a multi-node TP group run only their ranks, as mqa-serve's
-        from plugins.dist.launcher import join_group
+        from plugins.launch.launcher import join_group
 
         announce(f"node {args.node_rank} of {args.nnodes}: {args.tp // args.nnodes} tensor-parallel rank(s) joining "
                  f"{args.rdzv_endpoint}; node 0 serves")
@@ -122,7 +122,7 @@ def build_engine(backend, slots: int, capacity: int, args):
 def serve(args, checked: dict, install) -> int:
     from plugins.core.console import announce
     from plugins.engine.registry import load_backend
-    from plugins.serve.served import Served
+    from plugins.http.served import Served
     from plugins.triton.bridge import Bridge
     from plugins.triton.server import TritonServer
 

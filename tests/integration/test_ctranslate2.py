@@ -92,7 +92,7 @@ def test_a_peer_killed_by_a_signal_is_one_error_row_and_the_bench_goes_on(tmp_pa
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
         for child in psutil.Process(proc.pid).children(recursive=True):
             try:
-                if "plugins.dist.worker" in child.cmdline():
+                if "plugins.launch.worker" in child.cmdline():
                     child.send_signal(signal.SIGSEGV)
                     killed = child.pid
                     break

@@ -20,7 +20,7 @@ import torch
 from live_server import REPO, descendants
 
 from plugins.core.tokenizer import PROMPTS_FILE, prompt_token_ids
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.engine.registry import load_backend
 
 FILE_TOKENS = 1024

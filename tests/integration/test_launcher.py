@@ -1,4 +1,4 @@
-"""plugins/dist (launcher and worker) with a tiny probe backend in 2 real worker processes (torchrun or deepspeed,
+"""plugins/launch (launcher and worker) with a tiny probe backend in 2 real worker processes (torchrun or deepspeed,
 gloo): every call reaches every rank, results come back from rank 0, worker errors surface with
 their traceback, and a dead or stuck rank is an error in the parent, not a hang."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plugins.dist.launcher import RemoteBackend, WorkerError
+from plugins.launch.launcher import RemoteBackend, WorkerError
 
 PROBE = "tests.integration.test_launcher:Probe"  # imported by the workers (the launcher puts the repo on PYTHONPATH)
 
@@ -183,7 +183,7 @@ def test_workers_die_when_their_parent_process_dies(tmp_path):
     code = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-from plugins.dist.launcher import RemoteBackend
+from plugins.launch.launcher import RemoteBackend
 r = RemoteBackend({PROBE!r}, ".", tp_size=2)
 print(r._proc.pid, *r.pids(), flush=True)
 time.sleep(600)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from converters import convert
-from plugins.dist.launcher import RemoteBackend
+from plugins.launch.launcher import RemoteBackend
 from plugins.hf import HFBackend
 
 TOL = 1e-5

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from converters import megatron_core
 from plugins.core.checkpoint import load_hf_model
-from plugins.dist.launcher import RemoteBackend
+from plugins.launch.launcher import RemoteBackend
 from plugins.hf import HFBackend
 from plugins.megatron import MegatronGPT
 
@@ -39,7 +39,7 @@ def test_tp2_matches_tp1(name, ckpt_factory, padded_batch):
     path = ckpt_factory(name)
     tp1 = MegatronGPT.from_hf(path)
     ref_logits, ref = tp1.logits(ids, mask), tp1.generate(ids, mask, 64)
-    with MegatronGPT.from_hf(path, tp_size=2) as tp2:  # plugins.dist.launcher: 2 torchrun ranks over gloo
+    with MegatronGPT.from_hf(path, tp_size=2) as tp2:  # plugins.launch.launcher: 2 torchrun ranks over gloo
         assert tp2.tp_size == 2 and tp2.config.n_head == 4
         assert (real(tp2.logits(ids, mask), mask) - real(ref_logits, mask)).abs().max() <= TOL
         res = tp2.generate(ids, mask, 64)

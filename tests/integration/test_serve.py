@@ -18,7 +18,7 @@ from live_server import SLOTS, Server, descendants
 
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serve.text import StreamText, encode_prompt
+from plugins.http.text import StreamText, encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +309,7 @@ def test_tp2_server_with_chunked_prefill_matches_generate_alone_and_leaves_no_wo
 ])
 def test_a_server_that_cannot_serve_is_refused_before_loading(argv, message, ckpt, capsys):
     """mqa-serve's own checks: exit 2 with one line naming the problem, no engine loaded."""
-    from plugins.serve.cli import main
+    from plugins.http.cli import main
 
     loaded = []
     with pytest.MonkeyPatch.context() as mp:

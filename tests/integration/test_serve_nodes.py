@@ -16,7 +16,7 @@ import torch
 from live_server import REPO, Server, descendants
 
 from plugins.core.tokenizer import prompt_token_ids
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.engine.registry import load_backend
 
 
@@ -24,7 +24,7 @@ def test_tp2_over_two_nodes_answers_as_generate_alone_and_a_dead_rank_stops_both
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = ["--tp", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint]
     log = open(Path(ckpt).parent / "node1.log", "w+")
-    node1 = subprocess.Popen([sys.executable, "-m", "plugins.serve", str(ckpt), "--dtype", "float32", *nodes,
+    node1 = subprocess.Popen([sys.executable, "-m", "plugins.http", str(ckpt), "--dtype", "float32", *nodes,
                               "--node-rank", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     server = None
@@ -48,7 +48,7 @@ def test_tp2_over_two_nodes_answers_as_generate_alone_and_a_dead_rank_stops_both
             assert tokens == [tokenizer.decode([x], skip_special_tokens=False) for x in new], i
 
         commands = {p: Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in descendants(node1.pid)}
-        [rank1] = [p for p, c in commands.items() if "plugins.dist.worker" in c and "torch.distributed.run" not in c]
+        [rank1] = [p for p, c in commands.items() if "plugins.launch.worker" in c and "torch.distributed.run" not in c]
         front_workers = descendants(server.proc.pid)
         os.kill(rank1, signal.SIGKILL)
         assert server.proc.wait(60) == 1, server.output()

@@ -153,10 +153,10 @@ def test_an_error_in_one_requests_sampling_ends_that_request_only(ckpt, tokenize
     """In-process server (uvicorn on a thread, the real app and scheduler) so the sampler can fail on purpose."""
     import uvicorn
 
-    from plugins.dist.launcher import free_port
+    from plugins.launch.launcher import free_port
     from plugins.engine import sampling
-    from plugins.serve.app import Served, create_app
-    from plugins.serve.http_limits import Limits, limited_protocol
+    from plugins.http.app import Served, create_app
+    from plugins.http.http_limits import Limits, limited_protocol
     from plugins.serving.engine import ServingEngine
 
     call = sampling.Sampler.__call__
@@ -299,7 +299,7 @@ def test_a_killed_tp_rank_fails_health_at_once_clients_get_a_short_error_and_the
                 cmd = Path(f"/proc/{pid}/cmdline").read_text()
             except OSError:
                 continue
-            if "plugins.dist.worker" in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
+            if "plugins.launch.worker" in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
                 ranks[int(env["RANK"])] = pid
         assert set(ranks) == {0, 1}, ranks
         thread = threading.Thread(target=stream)
@@ -352,7 +352,7 @@ def test_requests_cut_at_the_graceful_timeout_end_with_an_error_body(ckpt_factor
 
 
 def test_json_depth_scan_skips_strings():
-    from plugins.serve.api import json_depth
+    from plugins.http.api import json_depth
 
     assert json_depth(b'{"a": "[[[[{{{{", "b": [1, [2, {"c": "]]]"}]]}') <= 32
     nested = b'{"p": ' + b"[" * 40 + b'"\\"[["' + b"]" * 40 + b"}"
@@ -361,7 +361,7 @@ def test_json_depth_scan_skips_strings():
 
 
 def test_max_token_bytes_bounds_every_token(tokenizer):
-    from plugins.serve.served import max_token_bytes
+    from plugins.http.served import max_token_bytes
 
     bound = max_token_bytes(tokenizer)
     longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())

@@ -19,7 +19,7 @@ from plugins.core.config import load_model_config
 from plugins.core.paths import TOKENIZER_FILE
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
-from plugins.serve.text import encode_prompt
+from plugins.http.text import encode_prompt
 
 STARCODER2_FIM = {f"<fim-{role}>": f"<fim_{role}>" for role in ("prefix", "middle", "suffix", "pad")}
 

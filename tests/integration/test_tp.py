@@ -1,6 +1,6 @@
 """gpt_bigcode with DeepSpeed tensor parallelism, TP=2, two real processes over gloo.
 
-The ranks are started by plugins.dist.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
+The ranks are started by plugins.launch.launcher (torchrun with LOCAL_SIZE, or the `deepspeed`
 launcher); results come back from rank 0. The first run JIT-compiles DeepSpeed's shm comm op.
 """
 
@@ -155,7 +155,7 @@ def test_orphaned_segments_are_swept_live_and_young_ones_kept():
 
 def test_launcher_options_reach_the_ranks(ckpt_factory):
     """timeout_s (and env, launcher) are options of the TP backend: a timeout too short to start is an error."""
-    from plugins.dist.launcher import WorkerError
+    from plugins.launch.launcher import WorkerError
 
     with pytest.raises(WorkerError, match="did not answer within 0.5 s while starting"):
         load_backend("deepspeed", ckpt_factory("tiny"), tp_size=2, timeout_s=0.5)

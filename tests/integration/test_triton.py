@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from plugins.core.tokenizer import prompt_token_ids
-from plugins.dist.launcher import free_port
+from plugins.launch.launcher import free_port
 from plugins.engine.registry import load_backend
 
 REPO = Path(__file__).resolve().parents[2]

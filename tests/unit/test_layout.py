@@ -25,20 +25,20 @@ LEVELS = {
     "converters": 2,
     "injection": 3,
     "plugins.serving": 3,
-    "plugins.dist": 4,
+    "plugins.launch": 4,
     "plugins.train": 4,
     "plugins.hf": 5,
     "plugins.deepspeed": 5,
     "plugins.megatron": 5,
     "plugins.peers": 5,
     "plugins.bench": 6,
-    "plugins.serve": 6,
+    "plugins.http": 6,
     "plugins.fleet": 7,
     "plugins.triton": 7,
     "scripts": 8,
 }
 # Found by name at run time, never imported by the layers below them (plugins.engine.registry).
-REGISTRY = ("plugins.engine.registry", "plugins.dist.worker")
+REGISTRY = ("plugins.engine.registry", "plugins.launch.worker")
 
 
 def folder_of(module: str) -> str | None:
@@ -180,7 +180,7 @@ def test_lower_folders_import_no_engine(folder):
             continue
         for line, name in imports_of(module, path):
             assert not name.startswith(("plugins.hf", "plugins.deepspeed", "plugins.megatron", "plugins.bench",
-                                        "plugins.serve.", "plugins.peers")), \
+                                        "plugins.http.", "plugins.peers")), \
                 f"{path.relative_to(REPO)}:{line} imports {name}"
 
 
@@ -224,7 +224,7 @@ def test_a_planted_importlib_reach_is_found(tmp_path):
 
 # ---- tests/unit runs in the test process: what starts a process belongs in tests/integration ---
 
-PROCESS_MODULES = ("subprocess", "multiprocessing", "live_server", "plugins.dist")
+PROCESS_MODULES = ("subprocess", "multiprocessing", "live_server", "plugins.launch")
 STARTERS = ("load_backend", "from_hf", "from_megatron", "RemoteBackend")  # tp_size > 1 or a launcher: ranks
 
 
@@ -261,10 +261,10 @@ def test_unit_tests_start_no_process():
 
 def test_a_planted_process_start_is_found(tmp_path):
     path = tmp_path / "test_x.py"
-    path.write_text("import subprocess\nfrom plugins.dist.launcher import RemoteBackend\n"
+    path.write_text("import subprocess\nfrom plugins.launch.launcher import RemoteBackend\n"
                     "b = load_backend('hf', d, tp_size=2)\nc = load_backend('hf', d, tp_size=1)\n"
                     "e = DeepSpeedBackend.from_hf(d, launcher='process')\n"
                     "with pytest.raises(ConfigError):\n    load_backend('hf', d, tp_size=3)\n")
-    assert process_starts(path) == ["test_x.py:1 imports subprocess", "test_x.py:2 imports plugins.dist.launcher",
+    assert process_starts(path) == ["test_x.py:1 imports subprocess", "test_x.py:2 imports plugins.launch.launcher",
                                     "test_x.py:3 load_backend(tp_size=...) starts ranks",
                                     "test_x.py:5 from_hf(launcher=...) starts ranks"]

@@ -77,7 +77,7 @@ def test_model_config():
 
 
 def test_every_mqa_serve_flag_is_taken(tmp_path):
-    from plugins.serve import cli as serve_cli
+    from plugins.http import cli as serve_cli
     from plugins.triton.cli import parse_args
 
     serve_ap, _ = serve_cli.parse_args(["ckpt"])

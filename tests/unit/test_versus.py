@@ -231,7 +231,7 @@ def test_the_markdown_report_records_versions_deployments_and_every_table():
     state = {"machine": {"cpus": [0, 1], "cpu": "Xeon", "isa": ["amx_bf16"], "mem_gib": 23.4, "tree": "abc123"},
              "versions": {"ours": {"torch": "2.13.0"}, "aiperf": {"aiperf": "0.13.0"},
                           "vllm": {"vllm": "0.32.0", "torch": "2.13.0+cpu"}},
-             "servers": {"ours": {"cmd": ["python", "-m", "plugins.serve"], "env": {}},
+             "servers": {"ours": {"cmd": ["python", "-m", "plugins.http"], "env": {}},
                          "vllm": {"cmd": ["py", "-m", "vllm.entrypoints.openai.api_server", "--enable-prefix-caching"],
                                   "env": {"LD_PRELOAD": "/t.so:/i.so", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}}},
              "rows": rows, "offline": {"batch": 8, "prompt": 1024, "prefill_s": [4.0, 3.0], "prompt_tok_s": 2730.0},

@@ -4,7 +4,7 @@
     m.logits(ids, mask); m.generate(ids, mask, 64); m.close()
 
 The parent listens on a private AF_UNIX socket and starts `torchrun` (or `deepspeed`) on
-plugins.dist.worker. Every rank joins a gloo group; rank 0 connects back to the parent. `launcher="process"`
+plugins.launch.worker. Every rank joins a gloo group; rank 0 connects back to the parent. `launcher="process"`
 starts one plain worker process instead (no torchrun, no process group): an engine whose native
 code may crash (the peers) runs there, so that a signal ends that engine, not the caller. Each call travels
 parent -> rank 0 -> all ranks (`broadcast_object_list`); every rank runs it on its shard, and
@@ -37,7 +37,7 @@ from pathlib import Path
 from plugins.core.atomic import process_alive
 from plugins.core.config import REPO_ROOT, ConfigError
 from plugins.core.tensors import check_inputs
-from plugins.dist.worker import ADDRESS_ENV, FRONT_ENV, TIMEOUT_ENV, die_with_parent, exit_note, recv, send
+from plugins.launch.worker import ADDRESS_ENV, FRONT_ENV, TIMEOUT_ENV, die_with_parent, exit_note, recv, send
 
 
 
@@ -56,18 +56,18 @@ def launch_command(launcher: str, nproc: int, nnodes: int = 1, rdzv_endpoint: st
                              "endpoint HOST:PORT")
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc // nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                "-m", "plugins.dist.worker"]
+                "-m", "plugins.launch.worker"]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "plugins.dist.worker"]
+                "-m", "plugins.launch.worker"]
     if launcher == "process":
         if nproc != 1:
             raise ValueError(f"launcher 'process' runs one worker, got tp_size {nproc}")
-        return [sys.executable, "-X", "faulthandler", "-m", "plugins.dist.worker"]
+        return [sys.executable, "-X", "faulthandler", "-m", "plugins.launch.worker"]
     if launcher == "deepspeed":  # passes --local_rank=N to the script
         port = free_port()
         return [str(Path(sys.executable).with_name("deepspeed")), f"--num_accelerators={nproc}",
-                f"--master_port={port}", "--module", "plugins.dist.worker"]
+                f"--master_port={port}", "--module", "plugins.launch.worker"]
     raise ValueError(f"unknown launcher {launcher!r}; use 'torchrun', 'deepspeed' or 'process'")
 
 
@@ -90,7 +90,7 @@ def crash_site(log: str) -> str:
 
 
 class RemoteBackend:
-    """A `Backend` whose ranks run in worker processes; results are the front rank's (plugins.dist.worker)."""
+    """A `Backend` whose ranks run in worker processes; results are the front rank's (plugins.launch.worker)."""
 
     runs_elsewhere = True
     speculative = draft = None  # a model runner opens in the ranks, which hold these

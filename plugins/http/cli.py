@@ -1,5 +1,5 @@
 """Serve a checkpoint over HTTP: OpenAI-compatible completions with continuous batching.
-Run as `mqa-serve`, `python -m plugins.serve` or `scripts/serve.py`.
+Run as `mqa-serve`, `python -m plugins.http` or `scripts/serve.py`.
 
   mqa-serve checkpoints/santacoder-1b --backend deepspeed --dtype bfloat16 --kv-budget 2GB
   mqa-serve /tmp/tiny --backend megatron --tp 2 --port 8001
@@ -145,7 +145,7 @@ def check_args(ap, args) -> dict:
     if args.max_connections < 1 or args.max_body_bytes < 1:
         ap.error("--max-connections and --max-body-bytes must be >= 1")
     from plugins.core.tokenizer import checkpoint_tokenizer
-    from plugins.serve.chat import ChatTemplate
+    from plugins.http.chat import ChatTemplate
 
     try:
         tokenizer, tok_path = checkpoint_tokenizer(args.checkpoint_dir)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     exit_without_collecting()
     checked = check_args(ap, args)
     if args.node_rank > 0:
-        from plugins.dist.launcher import join_group
+        from plugins.launch.launcher import join_group
 
         announce(f"node {args.node_rank} of {args.nnodes}: {args.tp // args.nnodes} tensor-parallel rank(s) joining "
                  f"{args.rdzv_endpoint}; node 0 serves")
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
     import uvicorn
 
     from plugins.engine.registry import load_backend
-    from plugins.serve.app import Served, create_app
-    from plugins.serve.http_limits import Limits, limited_protocol
+    from plugins.http.app import Served, create_app
+    from plugins.http.http_limits import Limits, limited_protocol
     from plugins.serving.engine import ServingEngine
 
     chunk = args.max_num_batched_tokens or "off"

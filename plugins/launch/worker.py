@@ -1,4 +1,4 @@
-"""The worker side of plugins.dist.launcher: what torchrun / deepspeed (or one plain process) run
+"""The worker side of plugins.launch.launcher: what torchrun / deepspeed (or one plain process) run
 in every rank. The front rank (local rank 0 of the machine whose parent serves, rank 0 on one machine)
 connects back to the parent's socket, receives each call and broadcasts it; every rank runs it on its
 shard of the engine; the front answers with its result or the tracebacks. Ranks on other machines

@@ -8,10 +8,10 @@ request_id, token_ids, sampling_params, model, stream); POST /v1/chat/completion
 
 from __future__ import annotations
 
-from plugins.serve.api import Sampling, completion_id, parse_completion, sampling, stop_list
-from plugins.serve.chat import chat_prompt, parse_chat
-from plugins.serve.completions import choice_requests
-from plugins.serve.served import Served
+from plugins.http.api import Sampling, completion_id, parse_completion, sampling, stop_list
+from plugins.http.chat import chat_prompt, parse_chat
+from plugins.http.completions import choice_requests
+from plugins.http.served import Served
 
 
 def sampling_params(req: Sampling, max_tokens: int) -> dict:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from plugins.serve.api import RequestError, check_token_ids
-from plugins.serve.text import EOS_NAMES, StreamText, encode_prompt, special_id
+from plugins.http.api import RequestError, check_token_ids
+from plugins.http.text import EOS_NAMES, StreamText, encode_prompt, special_id
 from plugins.serving.engine import QueueFull, ResultQueue, ServerClosing, ServingEngine
 from plugins.serving.request import Request, RequestRefused
 
@@ -55,7 +55,7 @@ class Served:
 
     def __init__(self, engine: ServingEngine, tokenizer, model_id: str, vocab_size: int,
                  max_body_bytes: int = MAX_BODY_BYTES, chat=None):
-        """`chat`: the checkpoint's chat template (plugins.serve.chat.ChatTemplate), or None."""
+        """`chat`: the checkpoint's chat template (plugins.http.chat.ChatTemplate), or None."""
         self.engine, self.tokenizer, self.model_id, self.vocab_size = engine, tokenizer, model_id, vocab_size
         self.chat = chat
         self.eos = special_id(tokenizer, EOS_NAMES)

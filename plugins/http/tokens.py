@@ -6,9 +6,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from plugins.serve.api import RequestError, check_token_ids, validated
-from plugins.serve.served import Served
-from plugins.serve.text import EOS_NAMES
+from plugins.http.api import RequestError, check_token_ids, validated
+from plugins.http.served import Served
+from plugins.http.text import EOS_NAMES
 
 
 class TokenizeRequest(BaseModel):

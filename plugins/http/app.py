@@ -1,8 +1,8 @@
-"""The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.serve.completions) and
-`/v1/chat/completions` (plugins.serve.chat),
-TGI's `/generate`, `/generate_stream`, `/` and `/info` (plugins.serve.tgi), Ollama's `/api/generate` and
-`/api/tags` (plugins.serve.ollama), vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` and the
-render endpoints (plugins.serve.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load`
+"""The HTTP server on FastAPI: OpenAI-compatible `/v1/completions` (plugins.http.completions) and
+`/v1/chat/completions` (plugins.http.chat),
+TGI's `/generate`, `/generate_stream`, `/` and `/info` (plugins.http.tgi), Ollama's `/api/generate` and
+`/api/tags` (plugins.http.ollama), vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` and the
+render endpoints (plugins.http.render), `/v1/models`, `/health`, Prometheus `/metrics`, and `/get_load`
 (requests held, for routers that balance by load: vllm-router's and sglang-router's power_of_two policy).
 """
 
@@ -19,12 +19,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from plugins.serve import ollama, render, tgi, tokens
-from plugins.serve.api import RequestError
-from plugins.serve.chat import create_chat_completion
-from plugins.serve.completions import create_completion
-from plugins.serve.http_limits import RefuseAmbiguousFraming
-from plugins.serve.served import Served
+from plugins.http import ollama, render, tgi, tokens
+from plugins.http.api import RequestError
+from plugins.http.chat import create_chat_completion
+from plugins.http.completions import create_completion
+from plugins.http.http_limits import RefuseAmbiguousFraming
+from plugins.http.served import Served
 
 __all__ = ["Served", "create_app"]
 

@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from plugins.serve.api import MAX_STOP, Number, RequestError, validated
-from plugins.serve.served import GenerationFailed, Served
+from plugins.http.api import MAX_STOP, Number, RequestError, validated
+from plugins.http.served import GenerationFailed, Served
 
 
 class Options(BaseModel):

@@ -13,9 +13,9 @@ import time
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from plugins.serve.api import (MAX_PROMPT_LOGPROBS, CompletionRequest, RequestError, Sampling, choice, completion_body,
+from plugins.http.api import (MAX_PROMPT_LOGPROBS, CompletionRequest, RequestError, Sampling, choice, completion_body,
                                completion_id, first_seed, parse_completion, sampling, stop_list, usage)
-from plugins.serve.served import Generation, GenerationFailed, Served, merged
+from plugins.http.served import Generation, GenerationFailed, Served, merged
 
 
 def sse(obj: dict) -> str:

@@ -1,7 +1,7 @@
 """Does a trained model write Python? Greedy completions of held-out method bodies, checked with `ast`.
 
-  python -m plugins.train.completions checkpoints/code-mqa-trained
-  python -m plugins.train.completions CKPT --n 12 --seed 0 --method asyncio/futures.py:cancelled
+  python -m plugins.train.completion_check checkpoints/code-mqa-trained
+  python -m plugins.train.completion_check CKPT --n 12 --seed 0 --method asyncio/futures.py:cancelled
 
 Methods: functions defined directly in a class of a held-out file (plugins.train.data), whose
 docstring is one line and which have a statement after it; `--n` of them, drawn with `--seed`.

@@ -17,9 +17,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from plugins.serve.api import MAX_LOGPROBS, RequestError, Sampling, check_sampling, usage, validated
-from plugins.serve.completions import collect, sse_response, start_choices
-from plugins.serve.served import Served, merged
+from plugins.http.api import MAX_LOGPROBS, RequestError, Sampling, check_sampling, usage, validated
+from plugins.http.completions import collect, sse_response, start_choices
+from plugins.http.served import Served, merged
 
 
 class ContentPart(BaseModel):

@@ -1,9 +1,9 @@
-"""The completion check (plugins.train.completions): which methods it picks, what "parses" and
+"""The completion check (plugins.train.completion_check): which methods it picks, what "parses" and
 "degenerate" mean on hand-made completions, and a run of the CLI on a tiny seeded model."""
 
 import json
 
-from plugins.train.completions import Method, body_lines, degenerate, heldout_methods, main, methods_of, parses
+from plugins.train.completion_check import Method, body_lines, degenerate, heldout_methods, main, methods_of, parses
 
 SOURCE = '''import os
 

@@ -20,8 +20,8 @@ from importlib.metadata import version
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from plugins.serve.api import MAX_N, MAX_STOP, Number, RequestError, validated
-from plugins.serve.served import GenerationFailed, Served, merged
+from plugins.http.api import MAX_N, MAX_STOP, Number, RequestError, validated
+from plugins.http.served import GenerationFailed, Served, merged
 
 
 class Parameters(BaseModel):

@@ -1,0 +1,5 @@
+import sys
+
+from plugins.http.cli import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from plugins.serve.cli import main
-
-sys.exit(main())
