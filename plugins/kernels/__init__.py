@@ -59,6 +59,9 @@ ENV = "PLUGINS_KERNELS"
 # The avx2 rung's kernel takes up to this many rows; more run fp32 GEMMs on converted weight tiles,
 # which win from there on (docs/results/2026-11-30-cpu-linears.md).
 KERNEL_ROWS = 16
+# From a short prompt's prefill on, oneDNN's bf16 GEMM beats our avx512 kernel where it runs (AMX Xeon,
+# measured 2026-12-07: 3.2x at 64 rows, 6.6x at 256), so the fixed ladder hands it those rows
+STATIC_GEMM_ROWS = 32
 # Implementations whose every output row is computed as that row alone would be (see rows_alone)
 ROW_INVARIANT = (*TILED, "avx2")
 
@@ -116,9 +119,10 @@ class Probe:
         return self.static(kind, rows)
 
     def static(self, kind: str, rows: int) -> str:
-        """The ladder's fixed choice (no timing): what PLUGINS_KERNELS_TABLE=static runs."""
+        """The ladder's fixed choice (no timing): what PLUGINS_KERNELS_TABLE=static runs, and what a
+        process runs whose timing the machine's load spoiled."""
         if kind == "bf16":
-            if self.rung in TILED:
+            if self.rung in TILED and not (self.bf16_gemm and rows > STATIC_GEMM_ROWS):
                 return self.rung
             if rows <= KERNEL_ROWS and self.rung == "avx2":
                 return "avx2"

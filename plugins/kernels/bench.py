@@ -37,9 +37,10 @@ def bench(rows=(1, 2, 4, 8, 16, 64), layers: int = 2, reps: int = 7, layer=LAYER
         x = {k: torch.randn(m, k, generator=gen).bfloat16() for k in {k for _, k in layer}}
         table.append({
             "rows": m,
-            f"bf16 {probe().bf16(m)}": _best(lambda: [linear(x[w.shape[1]], w, None, False, packs) for w in weights], reps),
-            f"int8 {probe().int8(m)}": _best(lambda: [int8_linear(x[q.shape[1]], q, s, None, packs=packs) for q, s in int8],
-                                             reps),
+            f"bf16 {probe().bf16(m)}": _best(lambda: [linear(x[w.shape[1]], w, None, False, packs)
+                                                      for w in weights], reps),
+            f"int8 {probe().int8(m)}": _best(lambda: [int8_linear(x[q.shape[1]], q, s, None, packs=packs)
+                                                      for q, s in int8], reps),
             f"int4 {int4[0].layout}": _best(lambda: [int4_linear(x[w.shape[1]], w, None) for w in int4], reps),
         })
     return table

@@ -31,7 +31,8 @@ def add_layer_norm(x, gamma, beta, eps: float, y=None, bias=None):
     if module is None:
         return None
     n = x.shape[-1]
-    s, normed = module.add_layer_norm(x.reshape(-1, n).contiguous(), None if y is None else y.reshape(-1, n).contiguous(),
+    s, normed = module.add_layer_norm(x.reshape(-1, n).contiguous(),
+                                      None if y is None else y.reshape(-1, n).contiguous(),
                                       bias, gamma.contiguous(), beta.contiguous(), float(eps))
     return s.view(x.shape), normed.view(x.shape)
 

@@ -199,7 +199,8 @@ def time_candidates(wanted: dict, layer=LAYER, watch: LoadWatch | None = None) -
     def runner(kind, impl, x, only=None):
         pick = (lambda seq: seq) if only is None else (lambda seq: [seq[j] for j in only])
         if kind == "bf16":
-            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl) for w, b in zip(pick(weights), pick(biases))]
+            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl)
+                            for w, b in zip(pick(weights), pick(biases))]
         if kind == "int8":
             return lambda: [int8_linear(x[q.shape[1]], q, s, b, False, packs, impl)
                             for (q, s), b in zip(pick(int8), pick(biases))]

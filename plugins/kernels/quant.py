@@ -42,7 +42,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
         impl = "torch"
     impl = impl or probe("int8").int8(choice_rows(x2.shape[0]))
     if impl == "avx512f" and packs is not None:
-        out = decision().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias, gelu)
+        out = decision().kernel(impl).linear_int8_tiles(x2.contiguous(), packs.get(q, impl), q.shape[0], scales, bias,
+                                                        gelu)
         return out.view(*shape[:-1], q.shape[0])
     if impl not in ("torch", "dequant"):  # our kernels (any rows)
         out = decision().kernel(impl).linear_int8(x2.contiguous(), q, scales, bias, gelu)

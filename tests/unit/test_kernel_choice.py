@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from kernel_timing import small_timing, static_row
 from torch import nn
 
 from plugins import kernels
@@ -19,8 +20,10 @@ pytestmark = pytest.mark.kernels
 
 def test_ladder_decisions_per_rung():
     """Which implementation each rung gives bf16 and int8 linears, by number of rows."""
-    avx512 = Probe("avx512", True, modules={"avx512": object()})
-    assert [avx512.bf16(r) for r in (1, 2, 16, 512)] == ["avx512"] * 4
+    avx512 = Probe("avx512", True, modules={"avx512": object()})  # with oneDNN's bf16 GEMM from 33 rows
+    assert [avx512.bf16(r) for r in (1, 2, 16, 32, 33, 512)] == ["avx512"] * 4 + ["onednn"] * 2
+    alone = Probe("avx512", False, modules={"avx512": object()})
+    assert [alone.bf16(r) for r in (1, 512)] == ["avx512"] * 2
     assert [avx512.int8(r) for r in (1, 2, 16, 512)] == ["avx512"] * 4
     onednn = Probe("onednn", True, modules={"avx2": object()})
     assert [onednn.bf16(r) for r in (1, 16, 512)] == ["onednn"] * 3
@@ -50,7 +53,8 @@ def test_forced_rung_caps_the_probe(monkeypatch):
                 assert p.modules == {}
         monkeypatch.setenv(kernels.ENV, "avx9000")
         kernels.reset()
-        with pytest.raises(ValueError, match="PLUGINS_KERNELS='avx9000': expected one of avx512, onednn, avx512f, avx2, torch"):
+        with pytest.raises(ValueError,
+                           match="PLUGINS_KERNELS='avx9000': expected one of avx512, onednn, avx512f, avx2, torch"):
             kernels.probe()
     finally:
         monkeypatch.undo()
@@ -85,7 +89,8 @@ LABELS = [kernels.bucket_label(i) for i in range(len(kernels.BUCKETS) + 1)]
 
 def test_buckets_cover_every_row_count():
     assert LABELS == ["1", "2-8", "9-32", "33-128", "129-512", ">512"]
-    assert [kernels.bucket(r) for r in (1, 2, 8, 9, 32, 33, 128, 129, 512, 513, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    rows = (1, 2, 8, 9, 32, 33, 128, 129, 512, 513, 4096)
+    assert [kernels.bucket(r) for r in rows] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert [kernels.bucket(r) for r in kernels.TIMED_ROWS] == list(range(len(LABELS)))
 
 
@@ -174,10 +179,6 @@ def test_every_candidate_runs_and_the_timing_loop_reports_each():
             assert all(v is None or v > 0 for v in times.values()) and any(v is not None for v in times.values())
 
 
-def static_row(p: Probe, kind: str) -> tuple:
-    return tuple(p.static(kind, r) for r in (1, *kernels.BUCKETS[1:], kernels.BUCKETS[-1] + 1))
-
-
 # --- a busy machine's timings are not kept -------------------------------------------------------
 
 def test_the_busy_detector_reads_the_cores_other_processes_took():
@@ -234,63 +235,6 @@ def test_load_watch_reads_whole_windows():
     assert watch.read() == 1.0 > measure.BUSY_SHARE
     assert watch.note.startswith("other processes took 100% of the cores the timing ran on")
     assert measure.LoadWatch(sample=lambda: None).read(final=True) is None  # no /proc/stat: nothing read
-
-
-SMALL_LAYER = [(512, 1024), (1024, 512)]  # ~0.5 s of bf16 races on 2 quiet cores: a window or so
-
-
-def small_timing(monkeypatch):
-    """measure.time_candidates on SMALL_LAYER, the watch measured_choices gives it kept; short pauses."""
-    from plugins.kernels import measure
-
-    monkeypatch.setattr(measure, "RETRY_PAUSE_S", 0.1)
-    real, watches = measure.time_candidates, []
-
-    def timing(wanted, layer=None, watch=None):
-        watches.append(watch)
-        return real(wanted, layer=SMALL_LAYER, watch=watch)
-    monkeypatch.setattr(measure, "time_candidates", timing)
-    return watches
-
-
-def test_a_table_timed_beside_busy_loops_is_not_kept(tmp_path, monkeypatch, capsys):
-    """Busy loops (twice as many as this process may use CPUs, so they take at least half of every
-    core whatever the timing's thread count) run while the table is timed: the watch reads them in
-    every window, so past the retries the process gets the ladder's fixed choices, the file is not
-    written, one line says so. More load from anything else only reads busier."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from plugins.kernels import measure
-
-    p = kernels.decision()
-    watches = small_timing(monkeypatch)
-    path = tmp_path / "choices.json"
-    loops = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2 * len(os.sched_getaffinity(0)))]
-    try:
-        time.sleep(0.2)  # running
-        choices, timings = measure.measured_choices(p, path, kinds=("bf16",))
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
-    assert not path.exists()
-    assert choices == {"bf16": static_row(p, "bf16")}
-    assert timings["bf16"].startswith("not kept: other processes took")
-    assert len([r for r in watches[0].readings if r > measure.BUSY_SHARE]) == measure.RETRIES + 1
-    err = capsys.readouterr().err.splitlines()
-    assert len([line for line in err if "and the timings are not kept (timed again by a start" in line]) == 1
-    probe = replace_choices(p, choices, timings)
-    assert probe.describe()["table"] == "static for bf16: the machine was busy while timing"
-    assert [probe.bf16(r) for r in (1, 64, 4096)] == [p.static("bf16", r) for r in (1, 64, 4096)]
-
-
-def replace_choices(p: Probe, choices: dict, timings: dict) -> Probe:
-    from dataclasses import replace
-
-    return replace(p, choices=choices, timings=timings)
 
 
 def test_a_quiet_table_is_kept_and_a_busy_reading_is_not(tmp_path, monkeypatch):
