@@ -17,7 +17,7 @@ from plugins.core.checkpoint import check_memory, read_hf_config, read_hf_state
 from plugins.core.config import ConfigError
 from plugins.core.tensors import default_device, needs_ranks, position_ids, resolve_dtype
 from plugins.engine.backend import LocalBackend
-from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask
+from plugins.megatron.decoder import MegatronDecoder, MegatronPoolDecoder, causal_padding_mask, place_rows
 from plugins.megatron.model import build_model, check_config, init_parallel, load_rank_state
 
 # how ranks are started (plugins.launch.launcher)
@@ -116,7 +116,9 @@ class MegatronGPT(LocalBackend):
     @torch.inference_mode()
     def logits(self, input_ids, attention_mask):
         input_ids, attention_mask = self._prepare(input_ids, attention_mask)
-        out = self.model(input_ids, position_ids(attention_mask), causal_padding_mask(attention_mask),
+        place_rows(self.model, attention_mask)
+        out = self.model(input_ids, position_ids(attention_mask),
+                         causal_padding_mask(attention_mask, getattr(self.model, "window", None)),
                          runtime_gather_output=True)
         return out[..., : self.config.vocab_size].float().cpu()
 

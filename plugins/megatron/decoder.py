@@ -4,18 +4,30 @@ megatron-core's inference engines are CUDA-only; its model and KV cache are not.
 preallocates, per layer, K and V of shape [max_seq, max_batch, kv_heads_per_rank, head_dim]
 (one KV head for MQA) on the first forward; we advance `sequence_len_offset` ourselves.
 Left padding is handled by an explicit boolean mask (True = masked) on every call and by the
-position ids the generation loop hands us.
+position ids the generation loop hands us. A sliding window (StarCoder2) is part of that mask: a query
+sees the keys less than `window` positions before it; RoPE is told each column's position
+(plugins/megatron/rope.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from plugins.core.config import ConfigError, head_dim, kv_heads_per_rank
+from plugins.core.config import ConfigError, arch, head_dim, kv_heads_per_rank
 from plugins.core.tensors import position_ids, tensor_bytes
+from plugins.megatron.rope import PositionedRotary, column_positions
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+def too_far(attention_mask: torch.Tensor, queries: int, window: int | None) -> torch.Tensor | None:
+    """bool [B, 1, queries, S]: True where a key lies `window` or more positions before the query (the
+    last `queries` columns of the [B, S] mask are the queries); None without a window."""
+    if window is None:
+        return None
+    pos = column_positions(attention_mask)
+    return (pos[:, None, -queries:, None] - pos[:, None, None, :]) >= window
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[B, T] (1 = token) -> bool [B, 1, T, T], True where a query must not look.
 
     Every position may see itself, so padding rows are never fully masked (their softmax would
@@ -24,7 +36,25 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     t = attention_mask.shape[1]
     future = torch.ones((t, t), dtype=torch.bool, device=attention_mask.device).triu(1)
     masked = future[None, None] | ~attention_mask.bool()[:, None, None, :]
+    far = too_far(attention_mask, t, window)
+    if far is not None:
+        masked = masked | far
     return masked & ~torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+
+
+def decode_mask(attention_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[B, S] -> bool [B, 1, 1, S] for one new token per row at the last column: padding (and keys past
+    the window) masked."""
+    masked = ~attention_mask.bool()[:, None, None, :]
+    far = too_far(attention_mask, 1, window)
+    return masked if far is None else masked | far
+
+
+def place_rows(model, attention_mask: torch.Tensor) -> None:
+    """Tell a RoPE model the positions of every column of the next forward (plugins/megatron/rope.py)."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if isinstance(rotary, PositionedRotary):
+        rotary.set_columns(attention_mask)
 
 
 class MegatronDecoder:
@@ -33,22 +63,26 @@ class MegatronDecoder:
 
         self.model = model
         self.vocab_size = vocab_size  # the model's vocabulary is padded; padding columns are dropped
+        self.window = getattr(model, "window", None)
         self.ctx = StaticInferenceContext(batch_size, max_len)
 
-    def _forward(self, tokens, mask, position_ids):
+    def _forward(self, tokens, mask, position_ids, columns):
+        """`columns`: the [B, S] 0/1 mask of every column the forward reads (cache and new tokens)."""
+        place_rows(self.model, columns)
         logits = self.model(tokens, position_ids, mask, inference_context=self.ctx, runtime_gather_output=True)
         self.ctx.sequence_len_offset += tokens.shape[1]
         return logits[:, -1, : self.vocab_size]
 
     def prefill(self, input_ids, attention_mask, position_ids):
         self.ctx.reset()
-        logits = self._forward(input_ids, causal_padding_mask(attention_mask), position_ids)
+        logits = self._forward(input_ids, causal_padding_mask(attention_mask, self.window), position_ids,
+                               attention_mask)
         self.ctx.enable_decode_mode()
         return logits
 
     def decode(self, tokens, attention_mask, position_ids):
-        # One query per row: only the padding columns of the cache are masked.
-        return self._forward(tokens, ~attention_mask.bool()[:, None, None, :], position_ids)
+        # One query per row: only the padding columns of the cache (and those past the window) are masked.
+        return self._forward(tokens, decode_mask(attention_mask, self.window), position_ids, attention_mask)
 
     def kv_cache_bytes(self) -> int:
         return tensor_bytes(t for kv in self.ctx.key_value_memory_dict.values() for t in kv)
@@ -67,7 +101,7 @@ class MegatronPoolDecoder:
         self.step = MegatronDecoder(backend.model, slots, capacity, backend.config.vocab_size)
         ctx, config = self.step.ctx, backend.config
         shape = (capacity, slots, kv_heads_per_rank(config, backend.tp_size), head_dim(config))
-        for layer in range(1, config.n_layer + 1):  # megatron numbers layers from 1
+        for layer in range(1, arch(config).n_layer + 1):  # megatron numbers layers from 1
             ctx.key_value_memory_dict[layer] = tuple(torch.zeros(shape, dtype=backend.dtype, device=backend.device)
                                                      for _ in range(2))
         ctx.enable_decode_mode()
@@ -92,8 +126,9 @@ class MegatronPoolDecoder:
                 kv[layer][0][:n].copy_(keys)
                 kv[layer][1][:n].copy_(values)
             scratch.ctx.sequence_len_offset = n
-            future = torch.ones((p, p), dtype=torch.bool, device=input_ids.device).triu(1)[n:]
-            logits = scratch._forward(input_ids[:, n:], future[None, None], pos[:, n:])
+            masked = torch.ones((p, p), dtype=torch.bool, device=input_ids.device).triu(1)[None, None, n:]
+            far = too_far(mask, p - n, scratch.window)
+            logits = scratch._forward(input_ids[:, n:], masked if far is None else masked | far, pos[:, n:], mask)
         kv = scratch.ctx.key_value_memory_dict
         return logits, [t[:p] for layer in sorted(kv) for t in kv[layer]]
 

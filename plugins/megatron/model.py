@@ -1,8 +1,14 @@
-"""HF `GPTBigCodeConfig` -> megatron-core `TransformerConfig` + `GPTModel`, and the process setup.
+"""HF config (`GPTBigCodeConfig`, `Starcoder2Config`) -> megatron-core `TransformerConfig` + `GPTModel`,
+and the process setup.
 
 MQA is `num_query_groups=1` (one KV head, replicated on every TP rank); MHA is one group per
-head. In both cases megatron's `linear_qkv` rows per group are `[q heads | k | v]`, which is HF's
-`c_attn` layout, so the weights map without reordering (converters/mapping.py).
+head; StarCoder2 has its GQA groups (split over TP ranks when they divide, replicated otherwise). In
+every case megatron's `linear_qkv` rows per group are `[q heads | k | v]`, which is HF's
+`c_attn` layout, so the weights map without reordering (converters/mapping.py; StarCoder2's q / k / v
+are fused there). StarCoder2's RoPE is megatron-core's `rope` position embedding with HF's positions
+(plugins/megatron/rope.py); its sliding window is part of the masks the decoders pass
+(plugins/megatron/decoder.py), not megatron-core's `window_size`: 0.16.1's CPU softmax builds that
+window's mask on "cuda" and drops the padding mask it was given.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ import torch.nn.functional as F
 from transformers import GPTBigCodeConfig
 
 from converters.mapping import check_megatron_config, padded_vocab_size
-from plugins.core.config import TANH_GELUS, ConfigError, head_dim, kv_heads
+from plugins.core.config import TANH_GELUS, ConfigError, arch, head_dim, kv_heads
 from plugins.core.tensors import process_group_backend, use_local_gpu
 from plugins.launch.launcher import free_port
 from plugins.megatron import compat
 from plugins.megatron.attention import SDPAttention
+from plugins.megatron.rope import PositionedRotary, hf_inv_freq
 
 ATTENTIONS = ("sdpa", "megatron")
 
@@ -36,20 +43,20 @@ def check_config(config: GPTBigCodeConfig, tp_size: int, attention: str = "sdpa"
 def transformer_config(config: GPTBigCodeConfig, tp_size: int = 1, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    a = arch(config)
     return TransformerConfig(
-        num_layers=config.n_layer,
-        hidden_size=config.n_embd,
-        num_attention_heads=config.n_head,
-        num_query_groups=kv_heads(config),  # 1 (MQA), n_head (MHA), or a converted GQA count
+        num_layers=a.n_layer,
+        hidden_size=a.hidden,
+        num_attention_heads=a.n_head,
+        num_query_groups=kv_heads(config),  # 1 (MQA), n_head (MHA), or GQA (StarCoder2, converted gpt_bigcode)
         kv_channels=head_dim(config),
-        ffn_hidden_size=config.n_inner or 4 * config.n_embd,
-        activation_func=(partial(F.gelu, approximate="tanh") if config.activation_function in TANH_GELUS
-                         else F.gelu),
+        ffn_hidden_size=a.inner,
+        activation_func=partial(F.gelu, approximate="tanh") if a.activation in TANH_GELUS else F.gelu,
         normalization="LayerNorm",
-        layernorm_epsilon=config.layer_norm_epsilon,
+        layernorm_epsilon=a.eps,
         add_bias_linear=True,
         add_qkv_bias=True,
-        softmax_scale=None if config.scale_attn_weights else 1.0,
+        softmax_scale=None if getattr(config, "scale_attn_weights", True) else 1.0,
         attention_softmax_in_fp32=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -104,15 +111,21 @@ def build_model(config: GPTBigCodeConfig, tp_size: int = 1, dtype: torch.dtype =
     padded_vocab = padded_vocab or padded_vocab_size(config.vocab_size, tp_size)
     if padded_vocab % tp_size:
         raise ConfigError(f"tp_size {tp_size} does not divide the padded vocabulary {padded_vocab}")
+    a = arch(config)
+    positions = {"position_embedding_type": "rope", "rotary_base": a.rope_theta, "rotary_percent": 1.0} if a.rope \
+        else {"position_embedding_type": "learned_absolute"}
     model = GPTModel(
         config=transformer_config(config, tp_size, dtype),
         transformer_layer_spec=layer_spec(attention),
         vocab_size=padded_vocab,
-        max_sequence_length=config.n_positions,
-        share_embeddings_and_output_weights=config.tie_word_embeddings,
-        position_embedding_type="learned_absolute",
+        max_sequence_length=a.n_positions,
+        share_embeddings_and_output_weights=a.tied,
         parallel_output=False,
+        **positions,
     )
+    if a.rope:  # HF's positions (padding skipped), HF's frequencies: plugins/megatron/rope.py
+        model.rotary_pos_emb = PositionedRotary(model.rotary_pos_emb, hf_inv_freq(config))
+    model.window = a.sliding_window  # the decoders' masks honour it (module doc)
     return model.to(dtype).eval()
 
 
