@@ -1,4 +1,5 @@
-"""DeepSpeed-Inference kernel injection for HF gpt_bigcode (SantaCoder / StarCoder), MQA and MHA.
+"""DeepSpeed-Inference kernel injection for HF gpt_bigcode (SantaCoder / StarCoder), MQA and MHA, and for
+HF starcoder2 (StarCoder2: GQA, RoPE, sliding window; injection/starcoder2.py).
 
     import deepspeed, injection
     injection.register()
@@ -12,10 +13,13 @@ from plugins.engine.kv_cache import SingleHeadCache, SingleHeadLayer
 
 
 def register():
-    """Plug the gpt_bigcode policy into DeepSpeed's kernel injection; idempotent. Returns the policy class."""
+    """Plug the gpt_bigcode and starcoder2 policies into DeepSpeed's kernel injection; idempotent. Returns
+    the gpt_bigcode policy class."""
     from injection import compat
     from injection.policy import GPTBigCodeContainer, GPTBigCodePolicy
+    from injection.starcoder2 import Starcoder2Container, Starcoder2Policy
 
+    compat.apply(Starcoder2Policy, Starcoder2Container)
     compat.apply(GPTBigCodePolicy, GPTBigCodeContainer)
     return GPTBigCodePolicy
 

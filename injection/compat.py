@@ -46,10 +46,10 @@ def _policy_to_ds_container(**kwargs):
 #    replace_module() instantiates every policy with client_module=None just to read its
 #    _orig_layer_class; OPT's __init__ then validates TransformerPolicy.hf_model_config (the model
 #    being injected) and raises "Unsupported activation function: gelu_pytorch_tanh" for
-#    gpt_bigcode. Only that throw-away instance, for a gpt_bigcode model, is spared the check.
+#    gpt_bigcode and starcoder2. Only that throw-away instance, for those models, is spared the check.
 def _opt_policy_init(self, client_module, *args, **kwargs):
     config = TransformerPolicy.hf_model_config
-    if client_module is None and getattr(config, "model_type", None) == "gpt_bigcode":
+    if client_module is None and getattr(config, "model_type", None) in ("gpt_bigcode", "starcoder2"):
         TransformerPolicy.hf_model_config = None
         try:
             return UPSTREAM["HFOPTLayerPolicy.__init__"](self, client_module, *args, **kwargs)

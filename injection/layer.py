@@ -134,7 +134,29 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
     `kv_heads == 1` (MQA): c_attn output is [Q (heads*d) | K (d) | V (d)]. The query of shape
     [B, T, heads, d] is read as [B, 1, T*heads, d]: one KV head against T*heads query rows, so
     SDPA broadcasts nothing and nothing is repeated. Otherwise (MHA): per head [q, k, v].
+    `split` / `merge` read and write that layout (injection.starcoder2 overrides them for GQA).
+    `window`: a sliding window (None: none) applied where the op builds the causal mask itself; a mask
+    handed in is complete (HF's and our decoders' masks carry the window).
     """
+
+    window: int | None = None
+
+    def split(self, qkv, heads: int, kv_heads: int, head_dim: int):
+        """(query, key, value, query rows per KV head folded into the query axis: 0 for none)."""
+        batch, q_len, _ = qkv.shape
+        if kv_heads == 1:
+            width = heads * head_dim
+            query = qkv[..., :width].reshape(batch, 1, q_len * heads, head_dim)
+            key = qkv[..., width:width + head_dim].unsqueeze(1)
+            value = qkv[..., width + head_dim:width + 2 * head_dim].unsqueeze(1)
+            return query, key, value, heads
+        query, key, value = qkv.view(batch, q_len, heads, 3 * head_dim).transpose(1, 2).split(head_dim, dim=-1)
+        return query, key, value, 0
+
+    def merge(self, out, batch: int, q_len: int, heads: int, head_dim: int, folded: int):
+        if folded:
+            return out.view(batch, q_len, heads * head_dim)
+        return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
 
     def forward(self, qkv, mask, kv, heads: int, kv_heads: int, scale: float):
         if isinstance(kv, SegmentLayer):
@@ -142,34 +164,26 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
         batch, q_len, _ = qkv.shape
         if q_len > 1 and kv is not None and kernels.rows_alone_active():
             # Each query row exactly as a one-token step computes it: appended to the cache on its own,
-            # attending over the keys up to itself with its row of a [B, 1, 1, L] padding mask.
+            # attending over the keys up to itself with its row of the mask ([B, 1, 1 or q_len, L]).
             start = kv.length
-            rows = [self.forward(qkv[:, t:t + 1], None if mask is None else mask[..., :start + t + 1], kv, heads,
-                                 kv_heads, scale) for t in range(q_len)]
+            rows = [self.forward(qkv[:, t:t + 1], _row_mask(mask, t, q_len, start), kv, heads, kv_heads, scale)
+                    for t in range(q_len)]
             return torch.cat(rows, 1)
         head_dim = self.config.hidden_size // self.config.heads
-        if kv_heads == 1:
-            width = heads * head_dim
-            query = qkv[..., :width].reshape(batch, 1, q_len * heads, head_dim)
-            key = qkv[..., width:width + head_dim].unsqueeze(1)
-            value = qkv[..., width + head_dim:width + 2 * head_dim].unsqueeze(1)
-        else:
-            query, key, value = qkv.view(batch, q_len, heads, 3 * head_dim).transpose(1, 2).split(head_dim, dim=-1)
+        query, key, value, folded = self.split(qkv, heads, kv_heads, head_dim)
         if kv is not None:
             key, value = kv.update(key, value)
+        mask = _causal_mask(mask, q_len, key.shape[2], qkv.device, self.window)
         if kv_heads == 1 and q_len == 1:
             out = _decode_attention(query, key, value, mask, scale)
             if out is not None:
                 return out.view(batch, 1, heads * head_dim)
-        mask = _causal_mask(mask, q_len, key.shape[2], qkv.device)
-        if kv_heads == 1 and mask is not None:
-            # row t*heads + h of the folded query uses row t of the mask (a view when q_len == 1)
-            mask = mask.unsqueeze(3).expand(-1, -1, -1, heads, -1).reshape(mask.shape[0], 1, q_len * heads, -1)
+        if folded and mask is not None:
+            # row t*folded + h of the folded query uses row t of the mask (a view when q_len == 1)
+            mask = mask.expand(-1, -1, q_len, -1).unsqueeze(3).expand(-1, -1, -1, folded, -1)
+            mask = mask.reshape(mask.shape[0], 1, q_len * folded, -1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-        if kv_heads == 1:
-            return out.view(batch, q_len, heads * head_dim)
-        return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
-
+        return self.merge(out, batch, q_len, heads, head_dim, folded)
 
     def _segments(self, qkv, mask, kv: SegmentLayer, heads: int, kv_heads: int, scale: float):
         """qkv [1, rows + chunk tokens, ..]: the pool rows' one-token steps (`mask` is theirs), then each
@@ -194,19 +208,35 @@ def _decode_attention(query, key, value, mask, scale: float):
     return layer_ops.mqa_decode_attention(query[:, 0], key[:, 0], value[:, 0], mask, scale)
 
 
-def _causal_mask(mask, q_len: int, kv_len: int, device):
-    """HF passes a 4-D mask, or None when attention is plainly causal (no padding)."""
+def _causal_mask(mask, q_len: int, kv_len: int, device, window: int | None = None):
+    """HF passes a 4-D mask, or None when attention is plainly causal (no padding): then the causal mask,
+    within the sliding window where there is one (the last q_len of kv_len keys are the queries)."""
     if mask is not None:
         return mask
-    if q_len == 1:
+    if q_len == 1 and (window is None or kv_len <= window):
         return None
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+    if window is not None:
+        causal = causal.triu(kv_len - q_len - window + 1)
+    return causal[None, None]
+
+
+def _row_mask(mask, t: int, q_len: int, start: int):
+    """Query row t's mask over the keys up to itself: a [B, 1, 1, L] padding mask's columns, or row t of a
+    [B, 1, q_len, L] one (causal and windowed by its maker)."""
+    if mask is None:
+        return None
+    if mask.shape[2] == q_len:
+        mask = mask[:, :, t:t + 1]
+    return mask[..., :start + t + 1]
 
 
 class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
     """DeepSpeed's inference layer, called the way transformers 5.x calls `GPTBigCodeBlock`:
     `(hidden_states, encoder_hidden_states, layer_past=<Cache>, attention_mask=<4-D mask>, ...)`,
     returning the hidden states tensor."""
+
+    context_op = MQASoftmaxContextOp  # the attention op (injection.starcoder2's for GQA)
 
     def __init__(self, config, mp_group=None, layer_idx: int = 0, kv_heads: int = 1, max_positions: int = 2048,
                  scale: float = 1.0):
@@ -215,7 +245,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
             attn, mlp = self.attention, self.mlp
             attn.qkv_func = GPTBigCodeQKVGemmOp(config)
             attn.vector_matmul_func = GPTBigCodeVectorMatMulOp(config)
-            attn.score_context_func = MQASoftmaxContextOp(config)
+            attn.score_context_func = self.context_op(config)
             mlp.mlp_gemm_func = GPTBigCodeMLPGemmOp(config)
             mlp.residual_add_func = GPTBigCodeResidualAddOp(config)
         self.layer_idx = layer_idx      # HF's index into the Cache (DeepSpeed's layer_id is a global counter)
@@ -266,9 +296,14 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
                 use_cache=False, **kwargs):
         if encoder_hidden_states is not None:
             raise NotImplementedError("gpt_bigcode cross-attention is not supported by the injected layer")
+        return self.block(hidden_states, layer_past, attention_mask)
+
+    def block(self, hidden_states, cache, attention_mask, rope=None):
+        """The layer on `cache` (a transformers Cache, Segments or None); `rope(qkv)` rotates the fused
+        projection's queries and keys before they are cached (StarCoder2), None for none."""
         if not self.weights_row_major and hidden_states.device.type == "cpu":
             self.store_row_major()
-        kv = layer_cache(layer_past, self.layer_idx, self.kv_capacity)
+        kv = layer_cache(cache, self.layer_idx, self.kv_capacity)
         input_dtype = hidden_states.dtype
         x = hidden_states.to(self.config.dtype)
         self.allocate_workspace(x.size())  # as upstream: the compiled kernels' scratch space (CPU: sizes only)
@@ -276,6 +311,8 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         with torch.no_grad():
             qkv, inp_norm = attn.qkv_func(input=x, weight=attn.attn_qkvw, bias=attn.attn_qkvb, gamma=self.norm_w,
                                           beta=self.norm_b)
+            if rope is not None:
+                qkv = rope(qkv)
             context = attn.score_context_func(qkv, attention_mask, kv, attn.num_attention_heads_per_partition,
                                               self.kv_heads, self.scale)
             out = attn.vector_matmul_func(input=context, weight=attn.attn_ow)

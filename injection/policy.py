@@ -1,4 +1,5 @@
-"""The kernel-injection policy and container for HF `GPTBigCodeBlock` (MQA and MHA).
+"""The kernel-injection policy and container for HF `GPTBigCodeBlock` (MQA and MHA); StarCoder2's
+policy (injection/starcoder2.py) reuses the container.
 
 DeepSpeed's `replace_transformer_layer` instantiates the policy on each `GPTBigCodeBlock`,
 asks `policy_to_ds_container` for our container, and runs the container's steps (tensors,
@@ -16,7 +17,7 @@ from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
 
 from injection.layer import DeepSpeedGPTBigCodeInference
 from injection.tp import qkv_rows
-from plugins.core.config import TANH_GELUS, check_tp, kv_heads, kv_heads_per_rank
+from plugins.core.config import TANH_GELUS, arch, check_tp, kv_heads, kv_heads_per_rank
 
 
 class GPTBigCodePolicy(TransformerPolicy):
@@ -35,6 +36,7 @@ class GPTBigCodePolicy(TransformerPolicy):
             raise ValueError("gpt_bigcode injection does not support cross-attention blocks")
         self.scale_attention = config.scale_attn_weights
         self.kv_heads = kv_heads(config)
+        self.hf_config, self.layer_idx = config, client_module.attn.layer_idx
 
     def get_hidden_heads(self):
         block = self.client_module
@@ -54,9 +56,12 @@ class GPTBigCodePolicy(TransformerPolicy):
 
 
 class GPTBigCodeContainer(BaseTransformerContainer):
+    """Our layer in place of the block; its policy names the HF config (`hf_config`) and layer index."""
+
+    layer_class = DeepSpeedGPTBigCodeInference
 
     def create_ds_model_config(self):
-        check_tp(self.child.attn.config, self.mp_size)
+        check_tp(self.policy.hf_config, self.mp_size)
         super().create_ds_model_config()
         self.ds_model_config.num_kv = self.policy.kv_heads  # [Q | K(num_kv) | V(num_kv)] sizes attn_qkvw
         self.ds_model_config.scale_attention = self.scale_attention
@@ -65,17 +70,18 @@ class GPTBigCodeContainer(BaseTransformerContainer):
     def create_module(self, config=None):
         config = config if config is not None else self.ds_model_config
         head_dim = config.hidden_size // config.heads
-        self.module = DeepSpeedGPTBigCodeInference(
-            config, mp_group=self.mp_group, layer_idx=self.child.attn.layer_idx,
-            kv_heads=kv_heads_per_rank(self.child.attn.config, self.mp_size),
-            max_positions=self.model_config.n_positions,
+        shape = arch(self.policy.hf_config)
+        self.module = self.layer_class(
+            config, mp_group=self.mp_group, layer_idx=self.policy.layer_idx,
+            kv_heads=kv_heads_per_rank(self.policy.hf_config, self.mp_size), max_positions=shape.n_positions,
             scale=head_dim ** -0.5 if self.scale_attention else 1.0)
+        self.module.attention.score_context_func.window = shape.sliding_window
         return self.module
 
     def attention_qkv_mp(self, mp_replace, reversed_dim=False):
-        # Upstream strided_copy cuts [Q|K|V] into 3 equal parts (wrong for MQA, whose K and V are
-        # one head each); take this rank's rows by our shard rule instead.
-        rows = qkv_rows(self.child.attn.config, mp_replace.gpu_index, self.mp_size)
+        # Upstream strided_copy cuts [Q|K|V] into 3 equal parts (wrong for MQA and GQA, whose K and V have
+        # fewer heads); take this rank's rows by our shard rule instead.
+        rows = qkv_rows(self.policy.hf_config, mp_replace.gpu_index, self.mp_size)
         attn = self.module.attention
         device = attn.attn_qkvw.device
         attn.attn_qkvw = torch.nn.Parameter(self.qkvw[:, rows].contiguous().to(device), requires_grad=False)

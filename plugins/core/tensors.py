@@ -97,6 +97,17 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def beyond_window(attention_mask: torch.Tensor, queries: int, window: int | None) -> torch.Tensor | None:
+    """bool [B, 1, queries, S], True where a key lies `window` or more positions before its query (a sliding
+    window: a query sees itself and the window - 1 tokens before it, HF's `sliding_window`). The queries are
+    the last `queries` columns of the [B, S] 0/1 mask; positions count the tokens of a row (padding and
+    masked holes skipped), so a row sees the same keys wherever it sits. None without a window."""
+    if window is None:
+        return None
+    pos = position_ids(attention_mask)
+    return (pos[:, None, -queries:, None] - pos[:, None, None, :]) >= window
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

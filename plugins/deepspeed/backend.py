@@ -29,9 +29,9 @@ import torch
 from injection import SingleHeadCache, kv_shard
 from plugins import kernels
 from plugins.core.checkpoint import load_hf_model, read_hf_config
-from plugins.core.config import ConfigError
+from plugins.core.config import ConfigError, arch, head_dim
 from plugins.core.tensors import check_load, default_device, needs_ranks, resolve_dtype
-from plugins.deepspeed.decoder import InjectedDecoder, head_packs
+from plugins.deepspeed.decoder import InjectedDecoder, Trunk, head_packs
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import GenerationResult
 from plugins.engine.hf_model import HFDecoder, HFModelBackend, PoolDecoder
@@ -66,8 +66,9 @@ class DeepSpeedBackend(HFModelBackend):
             raise ConfigError("int4 runs on CPU (our kernel or torch's CPU int4 kernel); use 'int8' on CUDA")
         config = read_hf_config(hf_dir)
         check_load(config, tp_size)  # before any rank starts or reads weights
+        cls.check_family(config)
         speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
-        kv_shard.check_kv_layout(kv_layout, config.multi_query, tp_size)
+        kv_shard.check_kv_layout(kv_layout, is_mqa(config), tp_size)
         if needs_ranks(tp_size):
             from injection.compat import sweep_shm_segments
             from plugins.core.console import announce, extension_built
@@ -86,7 +87,7 @@ class DeepSpeedBackend(HFModelBackend):
                               f"`deepspeed --num_accelerators {tp_size} ...`; without it DeepSpeed's "
                               "shared-memory all-reduce segfaults")
         model = load_hf_model(hf_dir, resolved, config=config)
-        engine = cls._engine(model, resolved, tp_size, max_out_tokens or config.n_positions)
+        engine = cls._engine(model, resolved, tp_size, max_out_tokens or arch(config).n_positions)
         if kv_layout == "batch":
             kv_shard.shard_kv_by_batch(engine.module)
         backend = cls(engine, resolved, device, tp_size, kv_layout, compile)
@@ -115,11 +116,16 @@ class DeepSpeedBackend(HFModelBackend):
             head.prepack(self.model.lm_head.weight, impls)
 
     @classmethod
+    def check_family(cls, config) -> None:
+        """Kernel injection: gpt_bigcode and starcoder2 (injection.register plugs both policies)."""
+
+    @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:
         super().check_options(config, tp_size, **options)
+        cls.check_family(config)
         check_speed_options(config, tp_size, options.get("quantize"), options.get("quantize_lm_head", False),
                             options.get("compile", False), options.get("speculative"))
-        kv_shard.check_kv_layout(options.get("kv_layout", "head"), config.multi_query, tp_size)
+        kv_shard.check_kv_layout(options.get("kv_layout", "head"), is_mqa(config), tp_size)
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):
@@ -133,7 +139,7 @@ class DeepSpeedBackend(HFModelBackend):
 
     def _layer0(self):
         """Layer 0's weights as DeepSpeed stores them: [in, out]."""
-        layer = self.model.transformer.h[0]
+        layer = Trunk(self.model).layers[0]
         attn, mlp = layer.attention, layer.mlp
         return {"attn_qkvw": attn.attn_qkvw, "attn_ow": attn.attn_ow, "inter_w": mlp.inter_w, "output_w": mlp.output_w}
 
@@ -142,7 +148,7 @@ class DeepSpeedBackend(HFModelBackend):
         weights = self._layer0()
         info = {name: tuple(t.shape) for name, t in weights.items()}
         info["qkv_cols"] = weights["attn_qkvw"].float().cpu()
-        info["kv_cols"] = info["qkv_cols"][:, -2 * self.config.n_embd // self.config.n_head:]
+        info["kv_cols"] = info["qkv_cols"][:, -2 * head_dim(self.config):]
         if self.tp_size == 1:
             return [info]
         out = [None] * self.tp_size
@@ -150,7 +156,7 @@ class DeepSpeedBackend(HFModelBackend):
         return out
 
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
-        weight = self.model.transformer.h[0].attention.attn_qkvw
+        weight = Trunk(self.model).layers[0].attention.attn_qkvw
         if weight.dtype == torch.uint8:
             return {"decode": f"int4 {weight.int4.layout}", "prefill": f"int4 {weight.int4.layout}"}
         return kernels.paths(self.dtype, batch, prompt_len, int8=weight.dtype == torch.int8)
@@ -235,9 +241,14 @@ def check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, sp
     return spec
 
 
+def is_mqa(config) -> bool:
+    """gpt_bigcode multi-query attention: what the batch-sharded KV layout (injection.kv_shard) is for."""
+    return arch(config).family == "gpt_bigcode" and arch(config).kv_heads == 1
+
+
 def quantize_model(model, kind: str, lm_head: bool = False) -> None:
     """Weight-only `kind` linears in every injected layer (and the LM head, untied from wte, if asked)."""
-    for block in model.transformer.h:
+    for block in Trunk(model).layers:
         block.quantize(kind)
     if lm_head:
         model.lm_head = QUANTIZED[kind](model.lm_head)
@@ -249,6 +260,12 @@ class AutoTPBackend(DeepSpeedBackend):
     name = "deepspeed-autotp"
     fast_decode = False  # HF's own blocks: HF's forward
     linear_paths = LocalBackend.linear_paths
+
+    @classmethod
+    def check_family(cls, config) -> None:
+        if arch(config).family != "gpt_bigcode":
+            raise ConfigError(f"deepspeed-autotp balances gpt_bigcode's MQA shards; {arch(config).family} runs on "
+                              "the deepspeed backend (kernel injection, any TP)")
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):

@@ -13,14 +13,43 @@ import warnings
 import torch
 from torch import nn
 
+from plugins.core.arch import arch
+from plugins.core.tensors import beyond_window
 from plugins.engine.hf_model import HFDecoder
 from plugins.engine.kv_cache import Segments
 from plugins.kernels import PackedWeights, linear, rows_alone
 
 
+class Trunk:
+    """The injected model's embeddings, layers and final norm, whichever family: gpt_bigcode (learned
+    positions added to the embeddings) or starcoder2 (RoPE: the layers get HF's cos / sin)."""
+
+    def __init__(self, model):
+        self.rope = arch(model.config).rope
+        base = model.model if self.rope else model.transformer
+        self.base = base
+        self.layers = base.layers if self.rope else base.h
+        self.norm = base.norm if self.rope else base.ln_f
+
+    def __call__(self, ids, positions, cache, mask):
+        """The hidden states after the last layer (before the final norm)."""
+        if not self.rope:
+            h = self.base.wte(ids) + self.base.wpe(positions)
+            for block in self.layers:
+                h = block(h, None, layer_past=cache, attention_mask=mask)
+            return h
+        h = self.base.embed_tokens(ids)
+        cos_sin = self.base.rotary_emb(h, positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, cache=cache, position_embeddings=cos_sin)
+        return h
+
+
 class InjectedDecoder(HFDecoder):
     """`HFDecoder` with the fast one-token step. A padded batch's 4-D mask is a preallocated boolean
-    row written in place each step; an unpadded batch needs none."""
+    row written in place each step; an unpadded batch needs none. A sliding window (StarCoder2) is part
+    of every mask this decoder builds, in positions (plugins.core.tensors.beyond_window); without a mask
+    the attention op applies it itself."""
 
     def __init__(self, model, cache, compile: bool = False):
         super().__init__(model, cache)
@@ -28,28 +57,32 @@ class InjectedDecoder(HFDecoder):
         batch = layer.keys.shape[0] if layer.is_initialized else 1
         self.keep = torch.ones(batch, 1, 1, layer.capacity, dtype=torch.bool, device=model.device)
         self.padded = False
+        self.window = arch(model.config).sliding_window
+        self.trunk = Trunk(model)
         self.packs = head_packs(model)
         self.step = compiled(self._step, cache) if compile else self._step
 
     def _step(self, tokens, position_ids, mask):
-        t = self.model.transformer
-        h = t.wte(tokens) + t.wpe(position_ids)
-        for block in t.h:
-            h = block(h, None, layer_past=self.cache, attention_mask=mask)
-        h = t.ln_f(h)
+        h = self.trunk.norm(self.trunk(tokens, position_ids, self.cache, mask))
         if self.packs is None:
             return self.model.lm_head(h)
         return linear(h, self.model.lm_head.weight, None, False, self.packs)
+
+    def _rows_mask(self, attention_mask):
+        """The preallocated [n, 1, 1, S] mask of a padded one-token step, written in place."""
+        mask = self.keep[:attention_mask.shape[0], :, :, :attention_mask.shape[1]]  # a pool decodes its first rows
+        mask.copy_(attention_mask[:, None, None, :])
+        far = beyond_window(attention_mask, 1, self.window)
+        if far is not None:
+            mask &= ~far
+        return mask
 
     def prefill(self, input_ids, attention_mask, position_ids):
         self.padded = not bool(attention_mask.all())
         return super().prefill(input_ids, attention_mask, position_ids)
 
     def decode(self, tokens, attention_mask, position_ids):
-        mask = None
-        if self.padded:
-            mask = self.keep[:tokens.shape[0], :, :, :attention_mask.shape[1]]  # a pool decodes its first rows
-            mask.copy_(attention_mask[:, None, None, :])
+        mask = self._rows_mask(attention_mask) if self.padded else None
         return self.step(tokens, position_ids, mask)[:, -1]
 
     def mixed(self, tokens, attention_mask, position_ids, chunks):
@@ -62,15 +95,11 @@ class InjectedDecoder(HFDecoder):
         n = tokens.shape[0]
         ids = torch.cat([tokens.view(1, n)] + [c for _, c, _ in chunks], 1)
         pos = torch.cat([position_ids.view(1, n)] + [p for _, _, p in chunks], 1)
-        mask = self.keep[:n, :, :, :attention_mask.shape[1]]
-        mask.copy_(attention_mask[:, None, None, :])
+        mask = self._rows_mask(attention_mask)
         cache = Segments(self.cache, n, [(c, ids_.shape[1]) for c, ids_, _ in chunks])
-        t = self.model.transformer
-        h = t.wte(ids) + t.wpe(pos)
-        for block in t.h:
-            h = block(h, None, layer_past=cache, attention_mask=mask)
+        h = self.trunk(ids, pos, cache, mask)
         ends = torch.tensor([c.shape[1] for _, c, _ in chunks], device=h.device).cumsum(0) + n - 1
-        h = t.ln_f(torch.cat([h[0, :n], h[0, ends]]))
+        h = self.trunk.norm(torch.cat([h[0, :n], h[0, ends]]))
         logits = self.model.lm_head(h) if self.packs is None else linear(h, self.model.lm_head.weight, None, False,
                                                                          self.packs)
         return logits[:n], [logits[n + i:n + i + 1] for i in range(len(chunks))]
@@ -81,9 +110,15 @@ class InjectedDecoder(HFDecoder):
         Cheaper than `forward_tokens` by the batch's GEMMs, at the price of its exactness: where a
         rung's kernels are not row-invariant (bf16 on AMX), a near-tie may break the other way than a
         one-token step would."""
-        w, length = tokens.shape[1], attention_mask.shape[1]
-        causal = torch.ones(w, length, dtype=torch.bool, device=tokens.device).tril(length - w)
-        return self._step(tokens, position_ids, attention_mask.bool()[:, None, None, :] & causal)
+        return self._step(tokens, position_ids, self._tokens_mask(attention_mask, tokens.shape[1]))
+
+    def _tokens_mask(self, attention_mask, w: int):
+        """[n, 1, w, S]: padding, causality among the w new tokens (the last columns), the window."""
+        length = attention_mask.shape[1]
+        causal = torch.ones(w, length, dtype=torch.bool, device=attention_mask.device).tril(length - w)
+        mask = attention_mask.bool()[:, None, None, :] & causal
+        far = beyond_window(attention_mask, w, self.window)
+        return mask if far is None else mask & ~far
 
     def forward_tokens(self, tokens, attention_mask, position_ids):
         """Logits of several new tokens (a speculative verify): every row computed with the arithmetic of
@@ -91,7 +126,10 @@ class InjectedDecoder(HFDecoder):
         exactly those plain decoding would pick."""
         if tokens.shape[1] == 1:
             return self.decode(tokens, attention_mask, position_ids)[:, None]
-        mask = attention_mask[:, None, None, :].bool() if self.padded else None
+        mask = None
+        if self.padded:  # each row's mask over the columns up to itself (the layer slices it per row)
+            mask = (attention_mask[:, None, None, :].bool() if self.window is None
+                    else self._tokens_mask(attention_mask, tokens.shape[1]))
         with rows_alone():
             return self._step(tokens, position_ids, mask)
 

@@ -14,17 +14,9 @@ from __future__ import annotations
 import torch
 
 from plugins.core.config import ConfigError, arch, head_dim, kv_heads_per_rank
+from plugins.core.tensors import beyond_window as too_far
 from plugins.core.tensors import position_ids, tensor_bytes
-from plugins.megatron.rope import PositionedRotary, column_positions
-
-
-def too_far(attention_mask: torch.Tensor, queries: int, window: int | None) -> torch.Tensor | None:
-    """bool [B, 1, queries, S]: True where a key lies `window` or more positions before the query (the
-    last `queries` columns of the [B, S] mask are the queries); None without a window."""
-    if window is None:
-        return None
-    pos = column_positions(attention_mask)
-    return (pos[:, None, -queries:, None] - pos[:, None, None, :]) >= window
+from plugins.megatron.rope import PositionedRotary
 
 
 def causal_padding_mask(attention_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:

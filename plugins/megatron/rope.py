@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import torch
 
-
-def column_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, S] 0/1 -> each column's position in its row: the count of tokens before it (padding: 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+from plugins.core.tensors import position_ids
 
 
 def hf_inv_freq(config) -> torch.Tensor:
@@ -43,7 +40,7 @@ class PositionedRotary(torch.nn.Module):
 
     def set_columns(self, attention_mask: torch.Tensor) -> None:
         """The next forward's rows: the 2-D mask of every column it reads (cache and new tokens)."""
-        self.columns = column_positions(attention_mask)
+        self.columns = position_ids(attention_mask)  # each column's position in its row (padding: 0)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
         if self.columns is None or packed_seq or offset:

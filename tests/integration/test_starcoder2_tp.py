@@ -1,6 +1,7 @@
-"""StarCoder2 (tiny-starcoder2: 4 query heads, 2 KV heads, RoPE, window 16) at TP 2 in real processes (two
-torchrun ranks over gloo): megatron-core with one KV head per rank gives HF's logits (fp32) and greedy
-tokens on a left-padded batch past the window, and its continuous batching equals `generate` alone."""
+"""StarCoder2 (tiny-starcoder2: 4 query heads, 2 KV heads, RoPE, window 16) tensor-parallel in real processes
+(torchrun ranks over gloo): megatron-core at TP 2 and DeepSpeed's injected layers at TP 2 (one KV head per
+rank) and TP 4 (each KV head replicated on two ranks) give HF's logits (fp32) and greedy tokens on a
+left-padded batch past the window, and their continuous batching equals `generate` alone."""
 
 import pytest
 import torch
@@ -15,6 +16,30 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def sc2(ckpt_factory):
     return ckpt_factory("tiny-starcoder2")
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer):
+    return left_pad([prompt_token_ids(tokenizer, n, i) for i, n in enumerate((5, 40, 23))])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_deepspeed_tp_matches_hf(sc2, batch, tokenizer, tp):
+    ids, mask = batch
+    hf = load_backend("hf", sc2, dtype="float32")
+    ref_logits, ref = hf.logits(ids, mask), hf.generate(ids, mask, 40)
+    with load_backend("deepspeed", sc2, dtype="float32", tp_size=tp) as ds:
+        assert (ds.logits(ids, mask) - ref_logits)[mask.bool()].abs().max() <= TOL
+        res = ds.generate(ids, mask, 40)
+        assert torch.equal(res.tokens, ref.tokens)
+        # every rank: its 4 / tp query heads and one KV head (its share at TP 2, its group's copy at TP 4)
+        assert [info["attn_qkvw"] for info in ds.shard_info()] == [(64, (4 // tp + 2) * 16)] * tp
+        assert res.kv_cache_bytes == 2 * 2 * 3 * 79 * 1 * 16 * 4
+        if tp == 2:
+            schedule = requests(tokenizer)[:6]
+            _, out, _ = run(ds, schedule, budget=16)
+            for _, request in schedule:
+                assert out[request.id] == alone(hf, request), f"request {request.id}"
 
 
 def test_megatron_tp2_matches_hf(sc2, tokenizer):

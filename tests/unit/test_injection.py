@@ -26,6 +26,7 @@ import injection
 from injection import SingleHeadCache, SingleHeadLayer, compat
 from injection.layer import DeepSpeedGPTBigCodeInference, GPTBigCodeMLPGemmOp
 from injection.policy import GPTBigCodeContainer, GPTBigCodePolicy
+from injection.starcoder2 import Starcoder2Container, Starcoder2Policy
 from plugins.core.checkpoint import load_hf_model
 from plugins.core.tensors import position_ids
 from plugins.engine.generation import generate
@@ -307,4 +308,4 @@ def test_unsupported_activation_is_a_clear_error(ckpt_factory):
 
 def test_container_is_registered_for_our_policy_only():
     injection.register()
-    assert compat._containers == {GPTBigCodePolicy: GPTBigCodeContainer}
+    assert compat._containers == {GPTBigCodePolicy: GPTBigCodeContainer, Starcoder2Policy: Starcoder2Container}
