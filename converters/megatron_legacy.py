@@ -29,6 +29,7 @@ copied, one stage at a time; no code from a checkpoint runs (see `load_checkpoin
 from __future__ import annotations
 
 import re
+import warnings
 from argparse import Namespace
 from pathlib import Path
 
@@ -46,6 +47,9 @@ from converters.stages import read_stages as _read_stages
 from plugins.core.config import TANH_GELUS, arch, check_hf_config, kv_heads
 
 ENCODER = "language_model/encoder/"
+LEGACY_ROPE_NOTE = ("Megatron-LM's legacy GPT model (core_v0.17.x and before) builds its rotary embedding without "
+                    "--rotary-base (always 10000) and has no sliding window: it loads this StarCoder2 checkpoint "
+                    "strictly but computes another model; megatron-torch and megatron keep both")
 OUTPUT_LAYER = "language_model/output_layer/weight"  # untied head
 
 
@@ -201,6 +205,8 @@ def write(config: GPTBigCodeConfig, hf_state: dict, dst: str | Path, tp_size: in
     """NVIDIA Megatron-LM legacy checkpoint at TP x PP (MQA / GQA KV heads duplicated to TP groups where
     fewer than TP: see the module docstring)."""
     check_writable(config, tp_size, pp_size)
+    if arch(config).rope:
+        warnings.warn(LEGACY_ROPE_NOTE, stacklevel=2)
     groups = groups_for_tp(config, tp_size)
     wide, state = duplicate_kv_heads(hf_state, config, groups)
     padded = padded_vocab_size(config.vocab_size, tp_size)
