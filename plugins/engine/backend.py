@@ -56,6 +56,12 @@ class LocalBackend:
         """What died of the processes this backend runs on, if any (in-process: nothing)."""
         return None
 
+    def open_runner(self, slots: int, capacity: int):
+        """Only for backends whose ranks run elsewhere: an in-process one's runner opens in this process
+        (plugins.serving.runner.open_runner)."""
+        raise ConfigError(f"backend {self.name!r} runs in this process: open its runner with "
+                          "plugins.serving.runner.open_runner")
+
     def linear_paths(self, batch: int, prompt_len: int) -> dict:
         """Which implementation runs the linears of a decode step and of the prefill (plugins.kernels);
         engines that call torch directly report 'torch'."""
