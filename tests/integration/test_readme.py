@@ -24,7 +24,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 README, DOCS = REPO / "README.md", REPO / "docs"
 SKIP, CONTINUES, PEERS = "# not run by the tests", "# continues the block above", "# after `make peers`"
-SUBSTITUTIONS = [("santacoder-1b-mha", "tiny-mha"), ("santacoder-1b", "tiny")]
+SUBSTITUTIONS = [("santacoder-1b-mha", "tiny-mha"), ("santacoder-1b", "tiny"), ("starcoder2-3b", "tiny-starcoder2")]
 RUNNABLE = ("python", "bash", "yaml")
 README_MAX_LINES = 300
 
