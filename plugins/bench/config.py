@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from plugins.bench import roofline
-from plugins.core.config import CONFIGS_DIR, ConfigError, check_tp, load_model_config, model_names, read_yaml
+from plugins.core.config import CONFIGS_DIR, ConfigError, arch, check_tp, load_model_config, model_names, read_yaml
 from plugins.core.tensors import resolve_dtype
 from plugins.core.tokenizer import WORKLOADS
 from plugins.engine.registry import BACKENDS, backend_class
@@ -218,12 +218,13 @@ def parse_bench_config(raw: dict, name: str = "") -> BenchConfig:
     longest = max(cfg.prompt_lengths)
     for m in cfg.models:
         config = m.hf_config()  # ConfigError for an unknown config or override
-        if longest + cfg.new_tokens > config.n_positions:
+        n_positions = arch(config).n_positions
+        if longest + cfg.new_tokens > n_positions:
             raise ConfigError(f"model {m.label}: prompt length {longest} + new_tokens {cfg.new_tokens} "
-                              f"exceeds n_positions {config.n_positions}")
-        if cfg.perplexity and cfg.perplexity["length"] > config.n_positions:
+                              f"exceeds n_positions {n_positions}")
+        if cfg.perplexity and cfg.perplexity["length"] > n_positions:
             raise ConfigError(f"model {m.label}: perplexity length {cfg.perplexity['length']} exceeds "
-                              f"n_positions {config.n_positions}")
+                              f"n_positions {n_positions}")
         for b in cfg.backends:
             check_tp(config, b.tp_size)
             try:

@@ -26,7 +26,7 @@ from plugins.bench.config import REFERENCE, BackendEntry, BenchConfig, ModelEntr
 from plugins.bench.probes import measure_bandwidth, peak_memory_bytes, release_memory, reset_peak_memory
 from plugins.bench.roofline import Shape
 from plugins.core.checkpoint import ensure_checkpoint
-from plugins.core.config import REPO_ROOT, ConfigError, load_train_spec
+from plugins.core.config import REPO_ROOT, ConfigError, arch, load_train_spec
 from plugins.core.tensors import resolve_dtype
 from plugins.core.tokenizer import checkpoint_tokenizer, make_batch
 from plugins.engine.registry import backend_class, load_backend
@@ -182,6 +182,12 @@ def _error(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def attention_kind(config) -> str:
+    """MQA (one KV head), MHA (one per query head) or GQA (StarCoder2's groups, a pooled gpt_bigcode)."""
+    shape = arch(config)
+    return "MQA" if shape.kv_heads == 1 else "MHA" if shape.kv_heads == shape.n_head else f"GQA-{shape.kv_heads}"
+
+
 def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profile: bool = False,
              progress: bool = True) -> tuple[list, list]:
     """Rows (one per model x backend x batch x prompt length) and skipped backends."""
@@ -203,7 +209,7 @@ def run_grid(cfg: BenchConfig, local_hw: roofline.Hardware, out_dir: Path, profi
         texts = {key: tok.decode_batch(ids.tolist()) for key, (ids, _) in batches.items()}
         ref = Reference()
         for entry in order:
-            base = {"model": model.label, "attention": "MQA" if config.multi_query else "MHA",
+            base = {"model": model.label, "attention": attention_kind(config),
                     "backend": entry.label, "backend_name": entry.name, "tp_size": entry.tp_size,
                     "options": entry.options, "dtype": entry.dtype or cfg.dtype, "new_tokens": cfg.new_tokens}
             try:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from plugins.core.config import CONFIGS_DIR, KV_LAYOUTS, ConfigError, head_dim, kv_heads, load_model_config, read_yaml
+from plugins.core.config import (CONFIGS_DIR, KV_LAYOUTS, ConfigError, arch, head_dim, kv_heads, load_model_config,
+                                 read_yaml)
 
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
 
@@ -103,10 +104,13 @@ class Shape:
     vocab: int
     n_positions: int
 
+    learned_positions: bool = True  # gpt_bigcode's position table; StarCoder2's RoPE has none
+
     @classmethod
     def from_config(cls, config) -> "Shape":
-        return cls(config.n_layer, config.n_embd, config.n_head, kv_heads(config), head_dim(config),
-                   config.n_inner or 4 * config.n_embd, config.vocab_size, config.n_positions)
+        a = arch(config)
+        return cls(a.n_layer, a.hidden, a.n_head, kv_heads(config), head_dim(config), a.inner, a.vocab_size,
+                   a.n_positions, not a.rope)
 
     def kv_heads_per_rank(self, tp: int) -> int:
         return math.ceil(self.kv_heads / tp)
@@ -132,7 +136,7 @@ def layer_other_params(s: Shape) -> int:
 def param_count(s: Shape, tp: int = 1) -> int:
     """Parameters held by one rank (tied lm_head counted once), all of them at tp=1."""
     layers = s.n_layer * (layer_matmul_params(s, tp) + layer_other_params(s))
-    return layers + s.vocab * s.n_embd // tp + s.n_positions * s.n_embd + 2 * s.n_embd
+    return layers + s.vocab * s.n_embd // tp + s.n_positions * s.n_embd * s.learned_positions + 2 * s.n_embd
 
 
 def weight_bytes(s: Shape, dtype_bytes: int, tp: int = 1) -> int:
@@ -141,7 +145,7 @@ def weight_bytes(s: Shape, dtype_bytes: int, tp: int = 1) -> int:
 
 def decode_weight_bytes(s: Shape, dtype_bytes: int, tp: int = 1) -> int:
     """Weights one decode step reads: all but the position table (one row per sequence)."""
-    return (param_count(s, tp) - s.n_positions * s.n_embd) * dtype_bytes
+    return (param_count(s, tp) - s.n_positions * s.n_embd * s.learned_positions) * dtype_bytes
 
 
 def kv_bytes(s: Shape, batch: int, seq: int, dtype_bytes: int, tp: int = 1, layout: str = "head") -> int:

@@ -61,6 +61,8 @@ class CTranslate2Backend(LocalBackend):
     @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:
         super().check_options(config, tp_size, **options)
+        if getattr(config, "model_type", None) != "gpt_bigcode":
+            raise ConfigError(f"this peer is benchmarked on gpt_bigcode checkpoints, not {config.model_type}")
         if not config.multi_query:
             raise ConfigError("CTranslate2's gpt_bigcode converter supports multi-query attention only "
                               "(multi_query: false checkpoints do not convert)")

@@ -127,6 +127,8 @@ class LlamaCppBackend(LocalBackend):
     @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:
         super().check_options(config, tp_size, **options)
+        if getattr(config, "model_type", None) != "gpt_bigcode":
+            raise ConfigError(f"this peer is benchmarked on gpt_bigcode checkpoints, not {config.model_type}")
         if not config.multi_query:
             raise ConfigError("llama.cpp's gpt_bigcode (starcoder) converter supports multi-query attention only "
                               "(it writes one KV head)")
