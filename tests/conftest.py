@@ -62,3 +62,15 @@ def padded_batch(tokenizer):
     seqs = [prompt_token_ids(tokenizer, n, i) for i, n in enumerate(PROMPT_LENGTHS)]
     ids, mask = left_pad(seqs)
     return seqs, ids, mask
+
+
+@pytest.fixture(scope="module")
+def sc2(ckpt_factory):
+    """The tiny StarCoder2 checkpoint: GQA (2 KV heads), RoPE, a sliding window of 16 tokens."""
+    return ckpt_factory("tiny-starcoder2")
+
+
+@pytest.fixture(scope="session")
+def window_batch(tokenizer):
+    """Left-padded prompts of 5, 40 and 23 tokens: two of them longer than tiny-starcoder2's window."""
+    return left_pad([prompt_token_ids(tokenizer, n, i) for i, n in enumerate((5, 40, 23))])

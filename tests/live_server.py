@@ -73,3 +73,21 @@ def descendants(pid: int) -> list[int]:
             found.append(c)
             todo.append(c)
     return found
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def with_chat_template(ckpt, dst: Path) -> Path:
+    """A copy of checkpoint `ckpt` at `dst` whose tokenizer_config.json carries CHAT_TEMPLATE (as
+    transformers saves one)."""
+    import json
+    import shutil
+
+    shutil.copytree(ckpt, dst)
+    config_file = dst / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config.update(chat_template=CHAT_TEMPLATE, eos_token="<|endoftext|>")
+    config_file.write_text(json.dumps(config))
+    return dst

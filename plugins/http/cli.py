@@ -156,6 +156,38 @@ def check_args(ap, args) -> dict:
             "per_slot": per_slot, "tokenizer": tokenizer, "tok_path": tok_path, "chat": chat}
 
 
+def open_engine(args, checked: dict, note: str):
+    """The backend the flags name, loaded, and the serving engine over it, as every front end starts them
+    (mqa-serve, mqa-triton): (backend, engine). `checked`: what check_args found; `note` ends the line
+    that announces the load."""
+    from plugins.core.console import announce
+    from plugins.engine.registry import load_backend
+    from plugins.serving.engine import ServingEngine
+
+    capacity, slots, per_slot = (checked[k] for k in ("capacity", "slots", "per_slot"))
+    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
+             f"{', ' + args.quantize if args.quantize else ''}"
+             f"{', speculative ' + args.speculative if args.speculative else ''}); "
+             f"chunked prefill {args.max_num_batched_tokens or 'off'}; "
+             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
+             f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; {note}")
+    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
+                           **engine_options(args), **checked["launch"])
+    try:
+        engine = ServingEngine(backend, slots, capacity, args.max_waiting, args.prefix_cache,
+                               max_batched_tokens(args), args.ttft_slo, args.itl_slo)
+    except BaseException:
+        backend.close()
+        raise
+    # The loaded process holds hundreds of thousands of objects (torch, transformers, DeepSpeed): a full
+    # collection walks them all, and the one that requests' allocations trigger now and then stalls an
+    # engine step (docs/results/2026-12-06-queue-first-steps-avx512bf16.md). Frozen, they are never walked
+    # again (vLLM freezes its engine's heap too).
+    gc.collect()
+    gc.freeze()
+    return backend, engine
+
+
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
     from plugins.core.console import announce, exit_without_collecting, quiet_upstream
@@ -173,37 +205,14 @@ def main(argv=None) -> int:
             print(f"exiting: this node's ranks ended with code {code} (a rank of the group failed, or node 0 is "
                   "gone)", flush=True)
         return 1 if code else 0
-    config, capacity, slots, per_slot = (checked[k] for k in ("config", "capacity", "slots", "per_slot"))
-    tokenizer, tok_path, chat, launch = (checked[k] for k in ("tokenizer", "tok_path", "chat", "launch"))
+    config, tokenizer, tok_path, chat = (checked[k] for k in ("config", "tokenizer", "tok_path", "chat"))
 
     import uvicorn
 
-    from plugins.engine.registry import load_backend
     from plugins.http.app import Served, create_app
     from plugins.http.http_limits import Limits, limited_protocol
-    from plugins.serving.engine import ServingEngine
 
-    chunk = args.max_num_batched_tokens or "off"
-    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
-             f"{', ' + args.quantize if args.quantize else ''}"
-             f"{', speculative ' + args.speculative if args.speculative else ''}); chunked prefill {chunk}; "
-             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank, "
-             f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; "
-             f"tokenizer {tok_path}")
-    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
-                           **engine_options(args), **launch)
-    try:
-        engine = ServingEngine(backend, slots, capacity, args.max_waiting, args.prefix_cache,
-                               max_batched_tokens(args), args.ttft_slo, args.itl_slo)
-    except BaseException:
-        backend.close()
-        raise
-    # The loaded process holds hundreds of thousands of objects (torch, transformers, DeepSpeed): a full
-    # collection walks them all, and the one that requests' allocations trigger now and then stalls an
-    # engine step (docs/results/2026-12-06-queue-first-steps-avx512bf16.md). Frozen, they are never walked
-    # again (vLLM freezes its engine's heap too).
-    gc.collect()
-    gc.freeze()
+    backend, engine = open_engine(args, checked, f"tokenizer {tok_path}")
     model_id = args.checkpoint_dir.resolve().name
     app = create_app(Served(engine, tokenizer, model_id, config.vocab_size, args.max_body_bytes, chat),
                      on_shutdown=backend.close)

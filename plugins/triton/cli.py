@@ -20,7 +20,6 @@ exits 1.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shlex
 import signal
@@ -28,7 +27,6 @@ import sys
 import threading
 from pathlib import Path
 
-from plugins.serving.args import engine_options, max_batched_tokens
 from plugins.triton.server import DEFAULT_VENV
 
 READY_TIMEOUT_S = 300.0
@@ -105,44 +103,16 @@ def main(argv=None) -> int:
     return serve(args, checked, install)
 
 
-def engine_settings(args) -> dict:
-    """What mqa-serve gives the serving engine besides the backend and the pool's shape (a unit test
-    checks that this names every other parameter ServingEngine takes)."""
-    return {"max_waiting": args.max_waiting, "prefix_cache_bytes": args.prefix_cache,
-            "max_batched_tokens": max_batched_tokens(args), "ttft_slo": args.ttft_slo, "itl_slo": args.itl_slo}
-
-
-def build_engine(backend, slots: int, capacity: int, args):
-    """The serving engine over a loaded backend, as mqa-serve builds it."""
-    from plugins.serving.engine import ServingEngine
-
-    return ServingEngine(backend, slots, capacity, **engine_settings(args))
-
-
 def serve(args, checked: dict, install) -> int:
     from plugins.core.console import announce
-    from plugins.engine.registry import load_backend
+    from plugins.http.cli import open_engine
     from plugins.http.served import Served
     from plugins.triton.bridge import Bridge
     from plugins.triton.server import TritonServer
 
-    config, capacity, slots, per_slot = (checked[k] for k in ("config", "capacity", "slots", "per_slot"))
-    announce(f"loading {args.checkpoint_dir} on {args.backend} (tp {args.tp}, {args.dtype}"
-             f"{', ' + args.quantize if args.quantize else ''}"
-             f"{', speculative ' + args.speculative if args.speculative else ''}); "
-             f"KV pool: {slots} slots x {capacity} tokens = {slots * per_slot / 2**20:.0f} MiB per rank; "
-             f"Triton from {install.venv}")
-    backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
-                           **engine_options(args), **checked["launch"])
-    try:
-        engine = build_engine(backend, slots, capacity, args)
-    except BaseException:
-        backend.close()
-        raise
-    gc.collect()  # as mqa-serve: the loaded heap frozen, so no full collection stalls an engine step
-    gc.freeze()
-    served = Served(engine, checked["tokenizer"], args.model_name, config.vocab_size, args.max_body_bytes,
-                    checked["chat"])
+    backend, engine = open_engine(args, checked, f"Triton from {install.venv}")
+    served = Served(engine, checked["tokenizer"], args.model_name, checked["config"].vocab_size,
+                    args.max_body_bytes, checked["chat"])
     triton = TritonServer(install, args.model_name, args.instances, args.host, args.port, args.grpc_port,
                           args.metrics_port, exit_timeout=args.graceful_timeout + 5, extra=args.triton_args)
     bridge = Bridge(served, triton.socket_path)

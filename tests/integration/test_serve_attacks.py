@@ -5,34 +5,25 @@ request that could never be queued, a smuggled second request, endless unknown f
 clients that leave while their requests are queued."""
 
 import json
-import shutil
 import socket
 import time
 from pathlib import Path
 
 import httpx2
 import pytest
-from live_server import SLOTS, Server
+from live_server import SLOTS, Server, with_chat_template
 from test_serve_robust import KV_BUDGET, greedy_alone, openai_error, read_response
 
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MAX_WAITING = 8
 PROBE = "def probe(x):"
 
 
 @pytest.fixture(scope="module")
 def chat_ckpt(ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("attacks") / "tiny-chat"
-    shutil.copytree(ckpt, d)
-    config_file = d / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    config.update(chat_template=CHAT_TEMPLATE, eos_token="<|endoftext|>")
-    config_file.write_text(json.dumps(config))
-    return d
+    return with_chat_template(ckpt, tmp_path_factory.mktemp("attacks") / "tiny-chat")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import torch
-from live_server import SLOTS, Server
+from live_server import CHAT_TEMPLATE, SLOTS, Server, with_chat_template
 
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
@@ -256,22 +256,10 @@ def test_bad_tgi_and_tokenize_requests_get_one_error(server):
             assert r.json()["error_type"] == "validation" and name in r.json()["error"], r.json()
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def chat_server(ckpt, tmp_path_factory):
     """The same weights, with a chat template in tokenizer_config.json (as transformers saves one)."""
-    import shutil
-
-    d = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(ckpt, d)
-    config_file = d / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    config.update(chat_template=CHAT_TEMPLATE, eos_token="<|endoftext|>")
-    config_file.write_text(json.dumps(config))
-    s = Server(d, "--backend", "hf")
+    s = Server(with_chat_template(ckpt, tmp_path_factory.mktemp("chat") / "tiny-chat"), "--backend", "hf")
     yield s
     s.stop()
 

@@ -13,19 +13,9 @@ from plugins.engine.registry import load_backend
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def sc2(ckpt_factory):
-    return ckpt_factory("tiny-starcoder2")
-
-
-@pytest.fixture(scope="module")
-def batch(tokenizer):
-    return left_pad([prompt_token_ids(tokenizer, n, i) for i, n in enumerate((5, 40, 23))])
-
-
 @pytest.mark.parametrize("tp", [2, 4])
-def test_deepspeed_tp_matches_hf(sc2, batch, tokenizer, tp):
-    ids, mask = batch
+def test_deepspeed_tp_matches_hf(sc2, window_batch, tokenizer, tp):
+    ids, mask = window_batch
     hf = load_backend("hf", sc2, dtype="float32")
     ref_logits, ref = hf.logits(ids, mask), hf.generate(ids, mask, 40)
     with load_backend("deepspeed", sc2, dtype="float32", tp_size=tp) as ds:

@@ -16,7 +16,7 @@ from injection.tp import qkv_rows
 from plugins.core.checkpoint import load_hf_model
 from plugins.core.config import ConfigError, load_model_config
 from plugins.core.tensors import position_ids
-from plugins.core.tokenizer import left_pad, prompt_token_ids
+from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.kv_cache import SingleHeadCache
 from plugins.engine.registry import load_backend
 from plugins.serving.request import Request
@@ -25,22 +25,12 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def sc2(ckpt_factory):
-    return ckpt_factory("tiny-starcoder2")
-
-
-@pytest.fixture(scope="module")
 def hf(sc2):
     return load_backend("hf", sc2, dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def batch(tokenizer):
-    return left_pad([prompt_token_ids(tokenizer, n, i) for i, n in enumerate((5, 40, 23))])
-
-
-def test_init_inference_injects_starcoder2(sc2, batch):
-    ids, mask = batch
+def test_init_inference_injects_starcoder2(sc2, window_batch):
+    ids, mask = window_batch
     ref = load_hf_model(sc2)
     injection.register()
     model = load_hf_model(sc2)
@@ -60,8 +50,8 @@ def test_init_inference_injects_starcoder2(sc2, batch):
     assert cache.nbytes() == 2 * 2 * 3 * 80 * 2 * 16 * 4  # K and V x layers x batch x tokens x 2 KV heads x d
 
 
-def test_backend_matches_hf_past_the_window(sc2, hf, batch):
-    ids, mask = batch
+def test_backend_matches_hf_past_the_window(sc2, hf, window_batch):
+    ids, mask = window_batch
     ds = load_backend("deepspeed", sc2, dtype="float32")
     assert (ds.logits(ids, mask) - hf.logits(ids, mask))[mask.bool()].abs().max() <= TOL
     ours = ds.generate(ids, mask, 40)

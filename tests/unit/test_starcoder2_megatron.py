@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from converters import convert
 from plugins.core.arch import arch
 from plugins.core.tensors import position_ids
-from plugins.core.tokenizer import left_pad, prompt_token_ids
+from plugins.core.tokenizer import prompt_token_ids
 from plugins.engine.registry import load_backend
 from plugins.megatron import MegatronGPT
 from plugins.megatron.model import transformer_config
@@ -23,18 +23,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def sc2(ckpt_factory):
-    return ckpt_factory("tiny-starcoder2")
-
-
-@pytest.fixture(scope="module")
 def hf(sc2):
     return load_backend("hf", sc2, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def batch(tokenizer):
-    return left_pad([prompt_token_ids(tokenizer, n, i) for i, n in enumerate((5, 40, 23))])
 
 
 def test_model_is_gqa_with_rope(sc2):
@@ -48,8 +38,8 @@ def test_model_is_gqa_with_rope(sc2):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "megatron"])
-def test_matches_hf_starcoder2(sc2, hf, batch, attention):
-    ids, mask = batch
+def test_matches_hf_starcoder2(sc2, hf, window_batch, attention):
+    ids, mask = window_batch
     m = MegatronGPT.from_hf(sc2, attention=attention)
     real = mask.bool()
     assert (m.logits(ids, mask) - hf.logits(ids, mask))[real].abs().max() <= TOL
@@ -60,10 +50,10 @@ def test_matches_hf_starcoder2(sc2, hf, batch, attention):
         assert torch.equal(m.generate(one, torch.ones_like(one), 40).tokens[0, -40:], ours.tokens[i, -40:])
 
 
-def test_rope_rows_are_rotated_by_their_own_positions(sc2, hf, batch):
+def test_rope_rows_are_rotated_by_their_own_positions(sc2, hf, window_batch):
     """Each row's columns get the cos / sin HF's own rotary embedding gives its positions (padding skipped),
     bit for bit; megatron-core's own table (by column) is right only for the unpadded row."""
-    ids, mask = batch
+    ids, mask = window_batch
     rotary = MegatronGPT.from_hf(sc2).model.rotary_pos_emb
     rotary.set_columns(mask)
     ours = rotary(mask.shape[1])  # [columns, rows, 1, dim]
@@ -86,8 +76,8 @@ def test_continuous_batching_matches_generate_alone(sc2, hf, tokenizer):
         assert out[request.id] == alone(backend, request) == alone(hf, request), f"request {request.id}"
 
 
-def test_dist_checkpoint_loads_at_any_tp(sc2, hf, batch, tmp_path):
-    ids, mask = batch
+def test_dist_checkpoint_loads_at_any_tp(sc2, hf, window_batch, tmp_path):
+    ids, mask = window_batch
     convert(sc2, tmp_path / "mcore", "hf", "megatron", tp_size=2)
     m = MegatronGPT.from_megatron(tmp_path / "mcore")
     assert (m.logits(ids, mask) - hf.logits(ids, mask))[mask.bool()].abs().max() <= TOL

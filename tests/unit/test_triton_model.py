@@ -88,16 +88,3 @@ def test_every_mqa_serve_flag_is_taken(tmp_path):
     assert args.port == 8000 and args.grpc_port == 9001 and args.metrics_port == 8002 and args.instances == 1
     _, args = parse_args(["ckpt", "--max-waiting", "3", "--kv-budget", "2MB", "--speculative", "prompt-lookup"])
     assert args.max_waiting == 3 and args.kv_budget == 2 << 20 and args.speculative == "prompt-lookup"
-
-
-def test_the_engine_gets_what_mqa_serve_gives_it():
-    import inspect
-
-    from plugins.serving.engine import ServingEngine
-    from plugins.triton.cli import engine_settings, parse_args
-
-    _, args = parse_args(["ckpt", "--ttft-slo", "3", "--max-num-batched-tokens", "64"])
-    settings = engine_settings(args)
-    taken = set(inspect.signature(ServingEngine).parameters) - {"backend", "slots", "capacity"}
-    assert set(settings) == taken, "a ServingEngine parameter mqa-triton does not pass (or no longer exists)"
-    assert settings["ttft_slo"] == 3 and settings["max_batched_tokens"] == 64
