@@ -247,7 +247,7 @@ def test_a_quiet_table_is_kept_and_a_busy_reading_is_not(tmp_path, monkeypatch):
     from plugins.kernels import measure
 
     p = kernels.decision()
-    small_timing(monkeypatch)
+    small_timing(monkeypatch, window_s=0.02)
     path = tmp_path / "choices.json"
     monkeypatch.setattr(measure, "cpu_sample", fake_sample(len(os.sched_getaffinity(0))))  # every core
     choices, timings = measure.measured_choices(p, path, kinds=("bf16",))
@@ -280,7 +280,7 @@ def test_a_busy_moment_is_timed_again_and_kept(tmp_path, monkeypatch):
             return share
 
     p = kernels.decision()
-    watches = small_timing(monkeypatch)
+    watches = small_timing(monkeypatch, window_s=0.02)
     monkeypatch.setattr(measure, "cpu_sample", fake_sample(0.0))
     monkeypatch.setattr(measure, "LoadWatch", OneBusyWindow)
     path = tmp_path / "choices.json"
