@@ -3,7 +3,8 @@ capacity, a draft model's K and V included: fixed at start), prefix-cache entrie
 being prefilled (each fill holds its prompt's K and V until its rows are placed in the pool).
 
 Pool and draft are allocated once. The rest shares one budget, `transient_bytes` (the prefix cache's
-bytes, at least one whole context so one prompt can always be prefilled): a new prompt reserves its
+bytes, at least half the pool's so a batch of new prompts is prefilled together, and at least one
+whole context so one prompt always can be): a new prompt reserves its
 whole prompt's bytes when admitted, evicting least recently used prefix entries where needed, and
 waits when even that cannot make room; a prefix entry is kept only within what is left. The runner
 holds the tensors; this object holds the numbers and decides (the scheduler asks it), so the same
@@ -42,7 +43,7 @@ class KVManager:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
         self.info, self.block = info, block
         self.prefix_enabled = prefix_cache_bytes > 0
-        self.transient_bytes = max(prefix_cache_bytes, capacity * info.token_bytes)
+        self.transient_bytes = max(prefix_cache_bytes, info.pool_bytes // 2, capacity * info.token_bytes)
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, list[_Entry]] = {}
         self._ids = itertools.count(1)

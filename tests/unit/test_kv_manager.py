@@ -39,18 +39,19 @@ def test_the_count_is_every_kv_byte_alive(ckpt_factory, tokenizer, monkeypatch, 
 
 def test_a_prompt_whose_kv_does_not_fit_waits_with_slots_free(ckpt_factory, tokenizer):
     backend = load_backend("hf", ckpt_factory("tiny"), dtype="float32")
-    core = EngineCore(backend, slots=4, capacity=64, prefix_cache_bytes=1)  # beside the pool: one context
-    asked = [Request(id=i, prompt=prompt_token_ids(tokenizer, 40, i), max_tokens=6) for i in range(3)]
+    core = EngineCore(backend, slots=4, capacity=64, prefix_cache_bytes=1)  # beside the pool: half the pool
+    assert core.kv.transient_bytes == 128 * core.runner.info.token_bytes
+    asked = [Request(id=i, prompt=prompt_token_ids(tokenizer, 45, i), max_tokens=6) for i in range(3)]
     for request in asked:
         core.add(request)
     out = {}
     result = core.step()
-    assert core.scheduler.held == 1 and len(core.scheduler.waiting) == 2  # 40 + 40 tokens > 64
+    assert core.scheduler.held == 2 and len(core.scheduler.waiting) == 1  # 3 x 45 tokens > 128
     while True:
         for rid, tokens in result.tokens.items():
             out.setdefault(rid, []).extend(tokens)
-        # one prompt's K and V at a time beside the pool (rows in the pool are the pool's)
-        assert core.kv.bytes_in_use() == core.runner.kv_bytes() and len(core.scheduler.fills) <= 1
+        # two prompts' K and V at a time beside the pool (rows in the pool are the pool's)
+        assert core.kv.bytes_in_use() == core.runner.kv_bytes() and len(core.scheduler.fills) <= 2
         if not core.scheduler.has_work():
             break
         result = core.step()

@@ -94,10 +94,11 @@ def test_first_token_logits_after_a_hit_are_within_1e_5(ckpt_factory, tokenizer,
 def test_eviction_under_a_tiny_budget_keeps_every_answer_right(ckpt_factory, tokenizer):
     backend = load_backend("deepspeed", ckpt_factory("tiny"), dtype="float32")
     schedule = shared_requests(tokenizer)
-    off, _ = run_with_prefix_cache(backend, schedule, 0)
+    off, _ = run_with_prefix_cache(backend, schedule, 0, slots=2)
     per_token = backend.config.n_layer * 2 * (backend.config.n_embd // backend.config.n_head) * 4
-    # the transient budget is one context (160 tokens): prefilling prompts and entries share it
-    on, stats = run_with_prefix_cache(backend, schedule, 80 * per_token)
+    # the transient budget is half the pool of 2 slots, one context (160 tokens): prefilling prompts and
+    # entries share it
+    on, stats = run_with_prefix_cache(backend, schedule, 80 * per_token, slots=2)
     assert on == off
     assert stats["cached_bytes"] <= 160 * per_token and stats["evictions"] >= 2 and stats["hits"] >= 1
 
