@@ -115,6 +115,13 @@ def loads(args) -> dict[str, Load]:
 
 
 SEEDS = {"streams": 1, "prefix": 2, "prefill": 3}  # poisson: 1000 + rate in thousandths
+# A closed loop is paced at this many requests/s under its concurrency cap: aiperf 0.13's plain
+# --concurrency loop (RequestRateStrategy.execute_phase, CONCURRENCY_BURST) yields to its event loop
+# without sleeping while every slot is taken, so its timing_manager spins a whole core for as long as
+# requests remain to send. On 2 cores that is one of the server's two OpenMP threads: decode steps
+# measured ~1.2 s in that wave against ~0.17 s in the next. Paced, a freed slot is refilled within
+# 1/rate s and the client sleeps in between.
+CLOSED_LOOP_RATE = 200.0
 
 
 def runs(args) -> list[tuple[str, float | None, int]]:
@@ -136,7 +143,8 @@ def aiperf_args(load: Load, rate: float | None, seed: int) -> list[str]:
     if load.concurrency is None:
         cmd += ["--request-rate-mode", "poisson", "--request-rate", f"{rate:g}"]
     else:
-        cmd += ["--concurrency", str(load.concurrency)]
+        cmd += ["--concurrency", str(load.concurrency), "--request-rate-mode", "constant",
+                "--request-rate", f"{CLOSED_LOOP_RATE:g}"]
     if load.prefix:
         cmd += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(load.prefix)]
     return cmd

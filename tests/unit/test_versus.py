@@ -58,7 +58,7 @@ def test_workloads_are_selectable_and_seeds_do_not_depend_on_the_selection():
 def test_aiperf_arguments_per_kind_of_load():
     closed = versus.aiperf_args(versus.Load(32, 128, 128, concurrency=16), None, 1)
     assert closed == ["--random-seed", "1", "--request-count", "32", "--isl", "128", "--osl", "128",
-                      "--concurrency", "16"]
+                      "--concurrency", "16", "--request-rate-mode", "constant", "--request-rate", "200"]
     poisson = versus.aiperf_args(versus.Load(32, 128, 128), 0.75, 1750)
     assert poisson[-4:] == ["--request-rate-mode", "poisson", "--request-rate", "0.75"]
     assert "--concurrency" not in poisson
