@@ -124,6 +124,12 @@ SEEDS = {"streams": 1, "prefix": 2, "prefill": 3}  # poisson: 1000 + rate in tho
 CLOSED_LOOP_RATE = 200.0
 
 
+def closed_loop(concurrency: int) -> list[str]:
+    """aiperf's arguments for a closed loop of `concurrency` requests (paced: CLOSED_LOOP_RATE)."""
+    return ["--concurrency", str(concurrency), "--request-rate-mode", "constant",
+            "--request-rate", f"{CLOSED_LOOP_RATE:g}"]
+
+
 def runs(args) -> list[tuple[str, float | None, int]]:
     """(workload, rate, aiperf --random-seed) in run order. Every run its own seed (the same for both
     servers), fixed by the workload and rate, so no run's prompts are another's cached prefix and a
@@ -143,8 +149,7 @@ def aiperf_args(load: Load, rate: float | None, seed: int) -> list[str]:
     if load.concurrency is None:
         cmd += ["--request-rate-mode", "poisson", "--request-rate", f"{rate:g}"]
     else:
-        cmd += ["--concurrency", str(load.concurrency), "--request-rate-mode", "constant",
-                "--request-rate", f"{CLOSED_LOOP_RATE:g}"]
+        cmd += closed_loop(load.concurrency)
     if load.prefix:
         cmd += ["--num-prefix-prompts", "1", "--prefix-prompt-length", str(load.prefix)]
     return cmd

@@ -28,6 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from plugins.bench.versus import closed_loop
 from plugins.launch.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ def aiperf(args, endpoint: list[str], model: str, url: str, out: Path, server: s
            # no /metrics scrapes (aiperf's default, ~3 a second): they would load mqa-serve's own process,
            # and miss Triton's (on its metrics port)
            "--no-server-metrics",
-           "--request-count", str(args.requests), "--concurrency", str(args.concurrency), "--warmup-request-count",
+           "--request-count", str(args.requests), *closed_loop(args.concurrency), "--warmup-request-count",
            str(args.concurrency), "--isl", str(args.isl), "--osl", str(args.osl), "--random-seed", str(args.seed),
            "--output-artifact-dir", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # aiperf 0.13 then refuses local dirs
