@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.core.config import arch, check_tp
+from plugins.core.config import ConfigError, arch, check_tp
 
 
 def kv_heads_of_rank(config, rank: int, tp: int) -> list[int]:
@@ -37,3 +37,13 @@ def qkv_rows(config, rank: int, tp: int) -> torch.Tensor:
     k = [torch.arange(q_end + h * d, q_end + (h + 1) * d) for h in heads]
     v = [torch.arange(q_end + (a.kv_heads + h) * d, q_end + (a.kv_heads + h + 1) * d) for h in heads]
     return torch.cat([torch.arange(rank * per_rank * d, (rank + 1) * per_rank * d), *k, *v])
+
+
+def check_autotp(config, tp_size: int) -> None:
+    """What DeepSpeed AutoTP can shard (injection.autotp): `check_tp`, and for StarCoder2 KV heads that split
+    evenly over the ranks (upstream's grain is the KV head: it would cut heads apart otherwise)."""
+    check_tp(config, tp_size)
+    a = arch(config)
+    if a.family == "starcoder2" and a.kv_heads % tp_size:
+        raise ConfigError(f"deepspeed-autotp splits StarCoder2's {a.kv_heads} KV heads over the ranks: tp_size "
+                          f"{tp_size} does not divide them (the deepspeed backend replicates KV heads: use it)")

@@ -9,7 +9,8 @@
 Every rank loads its shard and runs the same calls; rank 0 prints the new tokens.
   injected  deepspeed.init_inference(..., replace_with_kernel_inject=True, tensor_parallel=...) with our
             gpt_bigcode policy (injection.register()), optionally the batch-sharded MQA KV cache
-  autotp    DeepSpeed AutoTP with balanced MQA shards (injection.autotp.init_autotp)
+  autotp    DeepSpeed AutoTP: gpt_bigcode with balanced MQA shards, StarCoder2 by KV heads
+            (injection.autotp.init_autotp)
   megatron  megatron-core GPTModel (plugins.megatron.MegatronGPT)
 """
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine", choices=["injected", "autotp", "megatron"])
-    ap.add_argument("checkpoint", type=Path, help="HF gpt_bigcode directory")
+    ap.add_argument("checkpoint", type=Path, help="HF gpt_bigcode or starcoder2 directory")
     ap.add_argument("--kv-layout", choices=["head", "batch"], default="head", help="injected, MQA: KV layout")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=2)

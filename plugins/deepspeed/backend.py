@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from injection import SingleHeadCache, kv_shard
+from injection.tp import check_autotp
 from plugins import kernels
 from plugins.core.checkpoint import load_hf_model, read_hf_config
-from plugins.core.config import ConfigError, arch, head_dim
+from plugins.core.config import ConfigError, arch, head_dim, kv_heads_per_rank
 from plugins.core.tensors import check_load, default_device, needs_ranks, resolve_dtype
 from plugins.deepspeed.decoder import InjectedDecoder, Trunk, head_packs
 from plugins.engine.backend import LocalBackend
@@ -66,7 +67,7 @@ class DeepSpeedBackend(HFModelBackend):
             raise ConfigError("int4 runs on CPU (our kernel or torch's CPU int4 kernel); use 'int8' on CUDA")
         config = read_hf_config(hf_dir)
         check_load(config, tp_size)  # before any rank starts or reads weights
-        cls.check_family(config)
+        cls.check_family(config, tp_size)
         speculative = check_speed_options(config, tp_size, quantize, quantize_lm_head, compile, speculative)
         kv_shard.check_kv_layout(kv_layout, is_mqa(config), tp_size)
         if needs_ranks(tp_size):
@@ -116,13 +117,14 @@ class DeepSpeedBackend(HFModelBackend):
             head.prepack(self.model.lm_head.weight, impls)
 
     @classmethod
-    def check_family(cls, config) -> None:
-        """Kernel injection: gpt_bigcode and starcoder2 (injection.register plugs both policies)."""
+    def check_family(cls, config, tp_size: int = 1) -> None:
+        """Kernel injection: gpt_bigcode and starcoder2 (injection.register plugs both policies), any TP that
+        check_tp takes."""
 
     @classmethod
     def check_options(cls, config, tp_size: int, **options) -> None:
         super().check_options(config, tp_size, **options)
-        cls.check_family(config)
+        cls.check_family(config, tp_size)
         check_speed_options(config, tp_size, options.get("quantize"), options.get("quantize_lm_head", False),
                             options.get("compile", False), options.get("speculative"))
         kv_shard.check_kv_layout(options.get("kv_layout", "head"), is_mqa(config), tp_size)
@@ -148,7 +150,9 @@ class DeepSpeedBackend(HFModelBackend):
         weights = self._layer0()
         info = {name: tuple(t.shape) for name, t in weights.items()}
         info["qkv_cols"] = weights["attn_qkvw"].float().cpu()
-        info["kv_cols"] = info["qkv_cols"][:, -2 * head_dim(self.config):]
+        # this rank's K and V heads (the last columns of [Q | K | V]; MHA's per-head [q, k, v] has no such block)
+        kv_width = 2 * kv_heads_per_rank(self.config, self.tp_size) * head_dim(self.config)
+        info["kv_cols"] = info["qkv_cols"][:, -kv_width:]
         if self.tp_size == 1:
             return [info]
         out = [None] * self.tp_size
@@ -255,17 +259,16 @@ def quantize_model(model, kind: str, lm_head: bool = False) -> None:
 
 
 class AutoTPBackend(DeepSpeedBackend):
-    """DeepSpeed AutoTP (no kernel injection) with balanced MQA shards: injection.autotp."""
+    """DeepSpeed AutoTP (no kernel injection): gpt_bigcode with balanced MQA shards, StarCoder2 with its KV
+    heads split over the ranks (injection.autotp)."""
 
     name = "deepspeed-autotp"
     fast_decode = False  # HF's own blocks: HF's forward
     linear_paths = LocalBackend.linear_paths
 
     @classmethod
-    def check_family(cls, config) -> None:
-        if arch(config).family != "gpt_bigcode":
-            raise ConfigError(f"deepspeed-autotp balances gpt_bigcode's MQA shards; {arch(config).family} runs on "
-                              "the deepspeed backend (kernel injection, any TP)")
+    def check_family(cls, config, tp_size: int = 1) -> None:
+        check_autotp(config, tp_size)  # before any rank starts
 
     @staticmethod
     def _engine(model, dtype, tp_size, max_out_tokens):
@@ -274,6 +277,13 @@ class AutoTPBackend(DeepSpeedBackend):
         return init_autotp(model, tp_size, dtype)
 
     def _layer0(self):
+        """Layer 0's (sharded) HF linears as [in, out]; StarCoder2's q, k, v as one [Q | K | V]."""
+        if arch(self.config).family == "starcoder2":
+            layer = self.model.model.layers[0]
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t()
+            return {"attn_qkvw": qkv, "attn_ow": attn.o_proj.weight.t(), "inter_w": mlp.c_fc.weight.t(),
+                    "output_w": mlp.c_proj.weight.t()}
         block = self.model.transformer.h[0]
         return {"attn_qkvw": block.attn.c_attn.weight.t(), "attn_ow": block.attn.c_proj.weight.t(),
                 "inter_w": block.mlp.c_fc.weight.t(), "output_w": block.mlp.c_proj.weight.t()}

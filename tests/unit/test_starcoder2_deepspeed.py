@@ -2,7 +2,7 @@
 policy for `Starcoder2DecoderLayer`, so `deepspeed.init_inference(..., replace_with_kernel_inject=True)`
 injects it: fused GQA projection on a preallocated cache of the KV heads, RoPE in the injected layer, the
 sliding window honoured (tiny-starcoder2: window 16, sequences to 80 tokens). fp32 parity with
-Starcoder2ForCausalLM (TP 2 and 4: tests/integration/test_starcoder2_tp.py)."""
+Starcoder2ForCausalLM (TP 2 and 4, and AutoTP at TP 2: tests/integration/test_starcoder2_tp.py)."""
 
 import deepspeed
 import pytest
@@ -101,5 +101,25 @@ def test_tp_shards_hold_their_query_and_kv_heads():
 def test_what_starcoder2_cannot_take_is_refused(sc2):
     with pytest.raises(KVLayoutError, match="multi-query"):
         load_backend("deepspeed", sc2, tp_size=2, kv_layout="batch")
-    with pytest.raises(ConfigError, match="deepspeed-autotp balances gpt_bigcode"):
-        load_backend("deepspeed-autotp", sc2, tp_size=2)
+    # AutoTP at TP 4 on 2 KV heads would give ranks 2 and 3 no head (below): refused before any rank starts
+    with pytest.raises(ConfigError, match="tp_size 4 does not divide them"):
+        load_backend("deepspeed-autotp", sc2, tp_size=4)
+
+
+def test_upstream_autotp_shards_starcoder2_by_its_kv_heads(sc2):
+    """What injection.autotp relies on for StarCoder2 (no patch); fails if upstream changes it: the KV-head
+    count is the grain, so q / k / v_proj rows and o_proj columns split in whole heads, the MLP evenly, and
+    o_proj and mlp.c_proj are the all-reduced linears (TP 2 parity: tests/integration/test_starcoder2_tp.py)."""
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+    from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2DecoderLayer
+
+    model = load_hf_model(sc2)
+    meta = AutoTPMeta.from_model_config(model.config)
+    assert meta.num_kv_heads == 2
+    assert get_shard_size_list(64, 2, meta, name="model.layers.0.self_attn.q_proj") == [32, 32]  # 2 of 4 heads
+    assert get_shard_size_list(32, 2, meta, name="model.layers.0.self_attn.k_proj") == [16, 16]  # 1 of 2
+    assert get_shard_size_list(256, 2, meta, name="model.layers.0.mlp.c_fc") == [128, 128]
+    assert get_shard_size_list(64, 4, meta, name="model.layers.0.self_attn.q_proj") == [32, 32, 0, 0]
+    [(layer, allreduce)] = AutoTP.tp_parser(model)
+    assert layer is Starcoder2DecoderLayer and set(allreduce) == {"self_attn.o_proj", "mlp.c_proj"}
