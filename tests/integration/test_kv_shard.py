@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from injection.kv_shard import KVLayoutError, rank_batch
-from plugins.core.checkpoint import load_hf_model, read_hf_config, save_hf_dir
+from plugins.core.checkpoint import read_hf_config
 from plugins.core.tensors import position_ids
 from plugins.core.tokenizer import left_pad, prompt_token_ids
 from plugins.engine.hf_model import HFDecoder
@@ -79,13 +79,9 @@ def cached_logits(decoder, ids, mask, tokens, steps=4):
 @pytest.fixture(scope="module")
 def mqa_dir(ckpt_factory, tmp_path_factory):
     """tiny (MQA) with random biases and layer norms, so their handling under TP is exercised."""
-    model = load_hf_model(ckpt_factory("tiny"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return save_hf_dir(model, tmp_path_factory.mktemp("kv_shard") / "tiny")
+    from checkpoint_variants import biased_copy  # here: the TP ranks import this file without tests/ on the path
+
+    return biased_copy(ckpt_factory("tiny"), tmp_path_factory.mktemp("kv_shard") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ continuous batching equals `generate` alone."""
 import pytest
 import torch
 from batch_driver import alone, requests, run
+from checkpoint_variants import biased_copy
 
 from injection.tp import qkv_rows
-from plugins.core.checkpoint import load_hf_model, save_hf_dir
 from plugins.core.tokenizer import left_pad, prompt_token_ids
 from plugins.engine.registry import load_backend
 
@@ -20,13 +20,7 @@ TOL = 1e-5
 def sc2_biased(sc2, tmp_path_factory):
     """tiny-starcoder2 with random biases and norms (seeded ones are zero / one): TP must add each all-reduced
     linear's bias once."""
-    model = load_hf_model(sc2)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return save_hf_dir(model, tmp_path_factory.mktemp("sc2") / "biased")
+    return biased_copy(sc2, tmp_path_factory.mktemp("sc2") / "biased")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_variants import biased_copy
 
-from plugins.core.checkpoint import load_hf_model, save_hf_dir
 from plugins.core.config import ConfigError
 from plugins.deepspeed import AutoTPBackend, DeepSpeedBackend
 from plugins.engine.registry import load_backend
@@ -31,13 +31,7 @@ def random_bias_dir(ckpt_factory, tmp_path_factory):
 
     def make(name):
         if name not in made:
-            model = load_hf_model(ckpt_factory(name))
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if pname.endswith("bias") or ".ln_" in pname:
-                        p.add_(0.1 * torch.randn(p.shape, generator=gen))
-            made[name] = save_hf_dir(model, tmp_path_factory.mktemp("tp") / name)
+            made[name] = biased_copy(ckpt_factory(name), tmp_path_factory.mktemp("tp") / name)
         return made[name]
 
     return make
