@@ -15,9 +15,9 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   our kernel on CPU (AVX512: any rows; AVX2: one row), torch's `aten._weight_int8pack_mm` otherwise; int4
   as the packed uint8 tensor of a `plugins.kernels.quant.Int4Weight` (our AVX512 kernel's pack, or
   torch's for its CPU int4 kernel), carrying it as `.int4`.
-- attention: the fused c_attn output is sliced, never copied; for MQA the query heads are folded
-  into the query-length dim so SDPA sees one KV head (no repeat / expand of K or V); a bf16
-  one-token step on an MQA cache runs our decode kernel where the rung has it (AVX512). Inside
+- attention: the fused c_attn output is sliced, never copied; prompts run SDPA's grouped-query
+  attention on the one KV head (no repeat / expand of K or V), plainly causal for a whole prompt; a
+  bf16 one-token step on an MQA cache runs our decode kernel where the rung has it (AVX512). Inside
   `plugins.kernels.rows_alone()` several tokens are attended one by one, as one-token steps.
 - layer norms and residual adds (bf16, CPU, a compiled rung): fused kernels (`plugins.kernels.layer_ops`)
   in place of torch's layer norm and DeepSpeed's residual fallback (which widens five operands to fp32).
@@ -131,32 +131,30 @@ class GPTBigCodeResidualAddOp(ResidualAddOp):
 class MQASoftmaxContextOp(SoftmaxContextOp):
     """Attention on the fused QKV output with a preallocated cache of `kv_heads` heads.
 
-    `kv_heads == 1` (MQA): c_attn output is [Q (heads*d) | K (d) | V (d)]. The query of shape
-    [B, T, heads, d] is read as [B, 1, T*heads, d]: one KV head against T*heads query rows, so
-    SDPA broadcasts nothing and nothing is repeated. Otherwise (MHA): per head [q, k, v].
-    `split` / `merge` read and write that layout (injection.starcoder2 overrides them for GQA).
-    `window`: a sliding window (None: none) applied where the op builds the causal mask itself; a mask
-    handed in is complete (HF's and our decoders' masks carry the window).
+    Layout of the fused projection: `per_head_qkv` (gpt_bigcode MHA: per head [q, k, v]), else
+    [Q (heads*d) | K (kv_heads*d) | V (kv_heads*d)] (MQA, and injection.starcoder2's GQA). Queries, keys
+    and values are views of it; keys and values are cached with their `kv_heads` heads, never repeated.
+    Several tokens: SDPA with grouped-query attention (each KV head serves its group of query heads), the
+    mask [B or 1, 1, T, L] broadcast over the heads, plainly causal (no mask built) for a whole prompt.
+    One token: each KV head's query heads stacked as its query rows, our decode kernel for MQA where the
+    rung has it. `window`: a sliding window (None: none) applied where the op builds the causal mask
+    itself; a mask handed in is complete (HF's and our decoders' masks carry the window).
     """
 
     window: int | None = None
+    per_head_qkv = True  # gpt_bigcode: MHA's c_attn is per head [q, k, v]
 
     def split(self, qkv, heads: int, kv_heads: int, head_dim: int):
-        """(query, key, value, query rows per KV head folded into the query axis: 0 for none)."""
+        """Views (query [B, heads, T, d], key, value [B, kv_heads, T, d]) of the fused projection."""
         batch, q_len, _ = qkv.shape
-        if kv_heads == 1:
-            width = heads * head_dim
-            query = qkv[..., :width].reshape(batch, 1, q_len * heads, head_dim)
-            key = qkv[..., width:width + head_dim].unsqueeze(1)
-            value = qkv[..., width + head_dim:width + 2 * head_dim].unsqueeze(1)
-            return query, key, value, heads
-        query, key, value = qkv.view(batch, q_len, heads, 3 * head_dim).transpose(1, 2).split(head_dim, dim=-1)
-        return query, key, value, 0
-
-    def merge(self, out, batch: int, q_len: int, heads: int, head_dim: int, folded: int):
-        if folded:
-            return out.view(batch, q_len, heads * head_dim)
-        return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
+        if kv_heads == heads and self.per_head_qkv:
+            query, key, value = qkv.view(batch, q_len, heads, 3 * head_dim).transpose(1, 2).split(head_dim, dim=-1)
+            return query, key, value
+        q_end, kv_width = heads * head_dim, kv_heads * head_dim
+        query = qkv[..., :q_end].view(batch, q_len, heads, head_dim).transpose(1, 2)
+        key = qkv[..., q_end:q_end + kv_width].view(batch, q_len, kv_heads, head_dim).transpose(1, 2)
+        value = qkv[..., q_end + kv_width:q_end + 2 * kv_width].view(batch, q_len, kv_heads, head_dim).transpose(1, 2)
+        return query, key, value
 
     def forward(self, qkv, mask, kv, heads: int, kv_heads: int, scale: float):
         if isinstance(kv, SegmentLayer):
@@ -170,26 +168,31 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
                     for t in range(q_len)]
             return torch.cat(rows, 1)
         head_dim = self.config.hidden_size // self.config.heads
-        query, key, value, folded = self.split(qkv, heads, kv_heads, head_dim)
+        query, key, value = self.split(qkv, heads, kv_heads, head_dim)
         if kv is not None:
             key, value = kv.update(key, value)
-        mask = _causal_mask(mask, q_len, key.shape[2], qkv.device, self.window)
-        if kv_heads == 1 and q_len == 1:
-            out = _decode_attention(query, key, value, mask, scale)
-            if out is not None:
-                return out.view(batch, 1, heads * head_dim)
-        if folded and mask is not None:
-            # row t*folded + h of the folded query uses row t of the mask (a view when q_len == 1)
-            mask = mask.expand(-1, -1, q_len, -1).unsqueeze(3).expand(-1, -1, -1, folded, -1)
-            mask = mask.reshape(mask.shape[0], 1, q_len * folded, -1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-        return self.merge(out, batch, q_len, heads, head_dim, folded)
+        length = key.shape[2]
+        if q_len == 1:
+            query = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # a group's heads as query rows
+            mask = _causal_mask(mask, 1, length, qkv.device, self.window)
+            out = _decode_attention(query, key, value, mask, scale) if kv_heads == 1 else None
+            if out is None:
+                out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+            return out.reshape(batch, 1, heads * head_dim)
+        causal = mask is None and q_len == length and (self.window is None or length <= self.window)
+        if not causal:
+            mask = _causal_mask(mask, q_len, length, qkv.device, self.window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
+                                             enable_gqa=kv_heads != heads)
+        return out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)
 
     def _segments(self, qkv, mask, kv: SegmentLayer, heads: int, kv_heads: int, scale: float):
         """qkv [1, rows + chunk tokens, ..]: the pool rows' one-token steps (`mask` is theirs), then each
         prompt chunk causally over its own cache (the chunks before it already there)."""
         n = kv.rows
-        parts = [self.forward(qkv[0, :n].unsqueeze(1), mask, kv.pool, heads, kv_heads, scale).view(1, n, -1)]
+        parts = []
+        if n:  # no rows: prompt chunks alone
+            parts.append(self.forward(qkv[0, :n].unsqueeze(1), mask, kv.pool, heads, kv_heads, scale).view(1, n, -1))
         start = n
         for layer, length in kv.chunks:
             parts.append(self.forward(qkv[:, start:start + length], None, layer, heads, kv_heads, scale))

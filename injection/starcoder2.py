@@ -6,9 +6,9 @@ The gpt_bigcode machinery with three differences:
   KV heads divide evenly over the ranks, else its group's head replicated: injection/tp.py);
 - the layer rotates the fused projection's queries and keys with the cos / sin HF's model computes from
   the position ids (`position_embeddings`, as `Starcoder2Attention` does), before K is cached;
-- `GQASoftmaxContextOp` folds the query heads of each KV group into the query axis ([B, groups, T *
-  heads per group, d]), so SDPA attends each KV head once and the cache ([B, KV heads, capacity, d],
-  preallocated) is never expanded; with one KV head per rank it is the MQA path (our decode kernel).
+- `GQASoftmaxContextOp` reads that layout; SDPA's grouped-query attention attends each KV head with its
+  group's query heads, so the cache ([B, KV heads, capacity, d], preallocated) is never expanded; with
+  one KV head per rank it is the MQA path (our decode kernel).
 The window: HF's masks carry it (`create_sliding_window_causal_mask`), our decoders' masks carry it
 (plugins/deepspeed/decoder.py), and the op applies it where it builds the causal mask itself.
 """
@@ -63,22 +63,9 @@ class Starcoder2Policy(TransformerPolicy):
 
 
 class GQASoftmaxContextOp(MQASoftmaxContextOp):
-    """Attention on [Q (heads) | K (kv heads) | V (kv heads)] rows: each KV head with the query heads of its
-    group stacked along the query axis (row t * per + j: token t, head j of the group)."""
+    """Attention on [Q (heads) | K (kv heads) | V (kv heads)] rows, whatever the number of KV heads."""
 
-    def split(self, qkv, heads: int, kv_heads: int, head_dim: int):
-        batch, q_len, _ = qkv.shape
-        per, q_end, k_end = heads // kv_heads, heads * head_dim, (heads + kv_heads) * head_dim
-        query = qkv[..., :q_end].view(batch, q_len, kv_heads, per, head_dim).transpose(1, 2)
-        query = query.reshape(batch, kv_heads, q_len * per, head_dim)
-        key = qkv[..., q_end:k_end].view(batch, q_len, kv_heads, head_dim).transpose(1, 2)
-        value = qkv[..., k_end:k_end + kv_heads * head_dim].view(batch, q_len, kv_heads, head_dim).transpose(1, 2)
-        return query, key, value, per
-
-    def merge(self, out, batch: int, q_len: int, heads: int, head_dim: int, folded: int):
-        kv_heads = heads // folded
-        out = out.view(batch, kv_heads, q_len, folded, head_dim).transpose(1, 2)
-        return out.reshape(batch, q_len, heads * head_dim)
+    per_head_qkv = False
 
 
 def rotate_half(x):

@@ -162,6 +162,7 @@ def open_engine(args, checked: dict, note: str):
     that announces the load."""
     from plugins.core.console import announce
     from plugins.engine.registry import load_backend
+    from plugins.kernels.allocator import keep_freed_memory
     from plugins.serving.engine import ServingEngine
 
     capacity, slots, per_slot = (checked[k] for k in ("capacity", "slots", "per_slot"))
@@ -173,6 +174,7 @@ def open_engine(args, checked: dict, note: str):
              f"prefix cache {args.prefix_cache / 2**20:.0f} MiB; {note}")
     backend = load_backend(args.backend, args.checkpoint_dir, dtype=args.dtype, tp_size=args.tp,
                            **engine_options(args), **checked["launch"])
+    keep_freed_memory()  # before the engine's step thread starts
     try:
         engine = ServingEngine(backend, slots, capacity, args.max_waiting, args.prefix_cache,
                                max_batched_tokens(args), args.ttft_slo, args.itl_slo)

@@ -44,12 +44,13 @@ from plugins.kernels.quant import int4_linear, int8_linear, quantize_int4, quant
 
 # [out, in] of one santacoder-1b layer: c_attn (MQA), attn c_proj, mlp c_fc, mlp c_proj
 LAYER = [(2304, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
+GELU = (False, False, True, False)  # c_fc runs with its GELU, as the model runs it (fused, or after the GEMM)
 PASSES = 3          # more timed passes per candidate and bucket after the first,
 RACE_BUDGET_S = 3.0  # while a bucket's race has taken less than this
 GIVE_UP = 4.0       # a candidate this many times slower than the best is not timed again (nor at more rows)
 NOISE_MS = 50.0     # ...unless its first pass took less: a preemption or two can make that 4x, so it gets a second
 DROP_FROM_ROWS = 256  # from this many rows a candidate GIVE_UP times slower is not timed at more rows
-FORMAT = 2          # bump when the file's meaning changes
+FORMAT = 3          # bump when the file's meaning changes
 # int8 implementations whose rows are computed as each row alone (exact integer sums)
 INT8_ROW_INVARIANT = ("avx512", "avx512f", "avx2")
 # Other processes taking more than this share of the cores the timing runs on make it a busy machine's
@@ -198,13 +199,14 @@ def time_candidates(wanted: dict, layer=LAYER, watch: LoadWatch | None = None) -
 
     def runner(kind, impl, x, only=None):
         pick = (lambda seq: seq) if only is None else (lambda seq: [seq[j] for j in only])
+        gelu = pick(GELU[:len(layer)])
         if kind == "bf16":
-            return lambda: [linear(x[w.shape[1]], w, b, False, packs, impl)
-                            for w, b in zip(pick(weights), pick(biases))]
+            return lambda: [linear(x[w.shape[1]], w, b, g, packs, impl)
+                            for w, b, g in zip(pick(weights), pick(biases), gelu)]
         if kind == "int8":
-            return lambda: [int8_linear(x[q.shape[1]], q, s, b, False, packs, impl)
-                            for (q, s), b in zip(pick(int8), pick(biases))]
-        return lambda: [int4_linear(x[w.shape[1]], w, b) for w, b in zip(pick(int4[impl]), pick(biases))]
+            return lambda: [int8_linear(x[q.shape[1]], q, s, b, g, packs, impl)
+                            for (q, s), b, g in zip(pick(int8), pick(biases), gelu)]
+        return lambda: [int4_linear(x[w.shape[1]], w, b, g) for w, b, g in zip(pick(int4[impl]), pick(biases), gelu)]
 
     def inputs(rows):
         return {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in layer}}

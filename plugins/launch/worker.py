@@ -24,6 +24,7 @@ import torch
 from plugins.core.config import ConfigError
 from plugins.core.tensors import process_group_backend, use_local_gpu
 from plugins.engine.registry import backend_class
+from plugins.kernels.allocator import keep_freed_memory
 from plugins.serving.runner import open_runner
 
 PR_SET_PDEATHSIG = 1
@@ -133,6 +134,7 @@ def _serve(rank: int, world: int, group: bool, pids: list, front: int) -> None:
                 result["pids"] = pids
             elif method == "__open_runner__":
                 runner = None  # the old pool is freed before the new one is allocated
+                keep_freed_memory()  # a serving rank from here on
                 runner = open_runner(backend, *args)
                 result = runner.info
             elif method == "__runner_execute__":

@@ -10,8 +10,9 @@ Active requests hold rows [0, n) of the pool, on one shared time axis (plugins.s
   which a prefix-cache hit supplies for a first chunk. When the whole prompt is in, its first token is
   sampled and its K and V are copied into a new row; requests admitted with the same prompt (n
   choices) share one prefill. Where the engine can (`BatchDecoder.fuses_chunks`: DeepSpeed's injected
-  layers at TP 1), the chunks and the decode step are one forward: the linears run once over all
-  their tokens, attention runs per sequence. Elsewhere each chunk is its own forward first.
+  layers at TP 1), the chunks and the decode step (if any row decodes) are one forward: the linears
+  run once over all their tokens, attention runs per sequence. Elsewhere each chunk is its own
+  forward first.
 - Sampling: each row's own rules (penalties, bias, min tokens: LogitRules) and sampler; a batch of
   plain greedy rows is one argmax.
 - Speculative decoding (an engine loaded with `speculative={"draft": ...}`): greedy rows propose by
@@ -96,10 +97,11 @@ class ModelRunner:
         start = time.perf_counter()
         plan = [(self.fills[fill], end) for fill, end in step.chunks.items() if fill in self.fills]
         result.prompt_tokens = sum(end - fill.done for fill, end in plan)
-        if plan and self.rows and self.decoder.fuses_chunks:
+        if plan and self.decoder.fuses_chunks and (self.rows or len(plan) > 1):
             # one forward: every row's decode step and the chunks (weights read once)
             chunks = [(self._ids(fill.prompt[:end]), fill.kv) for fill, end in plan]
-            for (fill, end), (logits, kv) in zip(plan, self._decode(result, False, chunks)):
+            outs = self._decode(result, False, chunks) if self.rows else self._chunks_alone(chunks)
+            for (fill, end), (logits, kv) in zip(plan, outs):
                 fill.done, fill.logits, fill.kv = end, logits, _own(kv)
             result.seconds["mixed"] = time.perf_counter() - start
             self._place_complete(step, result)
@@ -237,6 +239,11 @@ class ModelRunner:
         if not chunks:
             result.decode = DecodeReading(n, False, n, time.perf_counter() - start)
         return chunked
+
+    def _chunks_alone(self, chunks) -> list:
+        """Prompt chunks in one forward while no row decodes: `mixed` with no rows."""
+        pool = self.pool
+        return self.decoder.mixed(pool.last[:0], pool.mask[:0, :pool.t + 1], pool.pos[:0], chunks)[1]
 
     def _speculate(self, proposer: Proposer, proposals: list[list[int]], result: StepResult) -> int:
         """One verify forward of every row's next token and its proposals (padded to the longest); each
