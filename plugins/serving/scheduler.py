@@ -9,7 +9,9 @@ nano-vllm's split: the scheduler decides, the runner executes).
   and prompts being prefilled take it first come first served: a long prompt spreads over several
   steps (each chunk attends to the K and V of the chunks before it), several short ones share a step,
   and the running rows decode every step. A prompt's first chunk starts after its longest cached
-  prefix (looked up then, so a prompt admitted behind one that shares its prefix finds it cached).
+  prefix (looked up then, so a prompt admitted behind one that shares its prefix finds it cached); a
+  prompt sharing half of itself with one still being prefilled ahead of it waits for that one to be
+  cached rather than compute the prefix again.
 - Decode: every running row, one token, or (`SpeculationPolicy`: when measured to pay) up to k + 1.
 - The prefix cache keeps a completed prompt's whole blocks, within the KV budget.
 
@@ -94,9 +96,13 @@ class Scheduler:
         pending = [(min(self.arrival[r] for r in f.requests), len(f.prompt) - f.done) for f in self.fills.values()]
         budget = self.budget.next(rows, pending, time.monotonic())
         pinned: set[int] = set()
+        started: list[_Fill] = []  # prompts in progress ahead of the fill being planned
         for fill in self.fills.values():
             if budget <= 0:
                 break
+            if not fill.started and self._shares_prefix(fill, started):
+                continue  # its prefix is being computed: it waits to find it cached
+            started.append(fill)
             if not fill.started:
                 fill.started = True
                 entry, tokens = self.kv.lookup(fill.prompt)
@@ -119,6 +125,15 @@ class Scheduler:
         out.evict = self.kv.take_evicted()
         out.speculate = bool(self.speculation and rows and self.speculation.wanted(rows))
         return out
+
+    def _shares_prefix(self, fill: _Fill, ahead: list[_Fill]) -> bool:
+        """Whether a prompt being prefilled ahead of `fill` shares at least half of `fill`'s prompt (and a
+        block) with it, so that computing `fill` now would compute that prefix twice, while waiting for
+        it to be cached costs `fill` only the steps the one ahead still takes."""
+        if not self.kv.prefix_enabled:
+            return False
+        need = max(self.kv.block, len(fill.prompt) // 2)
+        return len(fill.prompt) > need and any(fill.prompt[:need] == f.prompt[:need] for f in ahead)
 
     def _admit(self, out: SchedulerOutput) -> None:
         held = self.held

@@ -106,3 +106,26 @@ def test_eviction_under_a_tiny_budget_keeps_every_answer_right(ckpt_factory, tok
 def test_a_negative_budget_is_refused():
     with pytest.raises(ConfigError, match="prefix_cache_bytes"):
         manager(-1)
+
+
+def test_a_prompt_sharing_its_prefix_with_one_being_prefilled_waits_to_find_it_cached():
+    from plugins.serving.request import Request
+    from plugins.serving.scheduler import Scheduler
+    from plugins.serving.step import StepResult
+
+    shared = list(range(500, 564))                  # 4 blocks
+    first, second = Request(1, shared + [1] * 8, 4), Request(2, shared + [2] * 8, 4)
+    other = Request(3, list(range(900, 972)), 4)    # shares nothing: not held back
+    scheduler = Scheduler(4, 128, manager(1 << 12, capacity=128))
+    for request in (first, second, other):
+        scheduler.add(request)
+    step = scheduler.schedule()
+    assert step.chunks == {1: 72, 3: 72} and not step.reuse  # the second would compute the 64 shared tokens again
+    scheduler.update(step, StepResult())
+    step = scheduler.schedule()
+    assert step.chunks == {2: 72} and step.reuse[2][1] == 64  # the first's prompt is cached now
+    info = RunnerInfo(pool_bytes=1 << 20, draft_bytes=0, token_bytes=PER_TOKEN, speculative=False)
+    off = Scheduler(4, 128, KVManager(info, 128, 0, block=BLOCK))  # no prefix cache: nothing to wait for
+    off.add(Request(1, first.prompt, 4))
+    off.add(Request(2, second.prompt, 4))
+    assert off.schedule().chunks == {1: 72, 2: 72}
