@@ -110,6 +110,13 @@ class KVManager:
                     return n, entry
         return 0, None
 
+    def cached(self, prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens `lookup` would give now (no statistics counted)."""
+        if not self.prefix_enabled:
+            return 0
+        usable = tuple(prompt[:(len(prompt) - 1) // self.block * self.block])
+        return self._find(usable, self._hashes(usable))[0]
+
     def lookup(self, prompt: list[int]) -> tuple[int | None, int]:
         """(entry, tokens it gives) for the longest cached prefix that leaves at least one prompt token to
         compute (its logits are the first new token's); (None, 0) on a miss."""

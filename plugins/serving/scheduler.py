@@ -128,12 +128,14 @@ class Scheduler:
 
     def _shares_prefix(self, fill: _Fill, ahead: list[_Fill]) -> bool:
         """Whether a prompt being prefilled ahead of `fill` shares at least half of `fill`'s prompt (and a
-        block) with it, so that computing `fill` now would compute that prefix twice, while waiting for
-        it to be cached costs `fill` only the steps the one ahead still takes."""
+        block) with it that the prefix cache does not hold yet, so that computing `fill` now would compute
+        that prefix twice, while waiting for it to be cached costs `fill` only the steps the one ahead
+        still takes."""
         if not self.kv.prefix_enabled:
             return False
         need = max(self.kv.block, len(fill.prompt) // 2)
-        return len(fill.prompt) > need and any(fill.prompt[:need] == f.prompt[:need] for f in ahead)
+        return (len(fill.prompt) > need and any(fill.prompt[:need] == f.prompt[:need] for f in ahead)
+                and self.kv.cached(fill.prompt) < need)
 
     def _admit(self, out: SchedulerOutput) -> None:
         held = self.held

@@ -116,14 +116,16 @@ def test_a_prompt_sharing_its_prefix_with_one_being_prefilled_waits_to_find_it_c
     shared = list(range(500, 564))                  # 4 blocks
     first, second = Request(1, shared + [1] * 8, 4), Request(2, shared + [2] * 8, 4)
     other = Request(3, list(range(900, 972)), 4)    # shares nothing: not held back
-    scheduler = Scheduler(4, 128, manager(1 << 12, capacity=128))
-    for request in (first, second, other):
+    third = Request(4, shared + [4] * 8, 4)
+    scheduler = Scheduler(5, 128, manager(1 << 13, capacity=128))
+    for request in (first, second, other, third):
         scheduler.add(request)
     step = scheduler.schedule()
     assert step.chunks == {1: 72, 3: 72} and not step.reuse  # the second would compute the 64 shared tokens again
     scheduler.update(step, StepResult())
     step = scheduler.schedule()
-    assert step.chunks == {2: 72} and step.reuse[2][1] == 64  # the first's prompt is cached now
+    # the first's prompt is cached now: both join in one step, each from the cached prefix
+    assert step.chunks == {2: 72, 4: 72} and step.reuse[2][1] == step.reuse[4][1] == 64
     info = RunnerInfo(pool_bytes=1 << 20, draft_bytes=0, token_bytes=PER_TOKEN, speculative=False)
     off = Scheduler(4, 128, KVManager(info, 128, 0, block=BLOCK))  # no prefix cache: nothing to wait for
     off.add(Request(1, first.prompt, 4))
