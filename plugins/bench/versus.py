@@ -18,8 +18,10 @@ vLLM runs as plugins.bench.versus_deploy assembles it: LD_PRELOAD=<libtcmalloc_m
 (a missing one is an error naming its install command), VLLM_CPU_OMP_THREADS_BIND=<every core this
 process may use>, VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib, --enable-prefix-caching, --max-num-seqs 16.
 Ours: `mqa-serve --max-batch 16 --prefix-cache 512MB` and the engine flags given here. Both bf16 at
---max-model-len 1280; each alone on the machine (one server at a time), warmed up by one request of
-256 real-code tokens (not an aiperf prompt: nothing a workload sends is cached by it).
+--max-model-len 1280; each alone on the machine (one server at a time), started afresh for each workload
+(the poisson sweep is one), the two servers' order swapped from one workload to the next (these VMs'
+memory bandwidth drifts up to 2x within minutes), warmed up by one request of 256 real-code tokens (not
+an aiperf prompt: nothing a workload sends is cached by it).
 
 Workloads (aiperf's synthetic prompts, greedy, EOS ignored, streamed /v1/completions; each aiperf run its
 own --random-seed, the same for both servers, so no run's prompts are another's cached prefix):
@@ -37,9 +39,11 @@ own --random-seed, the same for both servers, so no run's prompts are another's 
 --quick: every workload much smaller (8 x (32 + 8) at 4 concurrent; rates 0.5 1 of 4 x (32 + 8); 4 x (128
 prefix + 16, 8 out); 8 x (128 + 8) at 4 concurrent, offline 4 x 128, best of 2).
 Reported per workload and server: output tokens/s, TTFT p50 / p99, inter-token latency p50 / p99,
-completed, errors; and ours / vLLM. Also the versions (vllm, torch in its venv, aiperf, ours) and each
+completed, errors, the read bandwidth just before and after the run (a 512 MB sum, best of 3); and
+ours / vLLM. Also the versions (vllm, torch in its venv, aiperf, ours) and each
 server's exact command line and environment.
-Writes results/versus-<timestamp>/{versus.json, versus.md, <server>-<workload>/ (aiperf), <server>.log}.
+Writes results/versus-<timestamp>/{versus.json, versus.md, <server>-<workload>/ (aiperf),
+<server>-<workload>.log}.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import httpx2
 from plugins.bench import versus_deploy as deploy
 from plugins.bench import versus_report as report
 from plugins.bench.load import ServerProcess, results_dir
+from plugins.bench.probes import measure_bandwidth
 from plugins.launch.launcher import free_port
 from plugins.serving.args import add_engine_args
 
@@ -141,6 +146,40 @@ def runs(args) -> list[tuple[str, float | None, int]]:
         else:
             out.append((w, None, SEEDS[w]))
     return out
+
+
+def workload_groups(plan: list[tuple[str, float | None, int]]) -> list[list[tuple[str, float | None, int]]]:
+    """The plan's runs grouped by workload, in order. Each group gets a fresh start of each server (alone
+    on the machine), the servers' order swapped from one group to the next: these VMs' memory bandwidth
+    drifts up to 2x within minutes, and a fixed order would hand one server the same phase throughout."""
+    groups: list[list] = []
+    for item in plan:
+        if groups and groups[-1][0][0] == item[0]:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+def run_one(args, state: dict, out: Path, server, server_name: str, series, name: str, load: Load,
+            workload: str, rate: float | None, seed: int) -> None:
+    """One aiperf run against a started server; its row (with the read bandwidth just before and after)
+    goes into `state`, written out at once."""
+    from plugins.core.console import announce
+
+    announce(f"{server_name}: {workload}" + (f" at {rate:g} req/s" if rate else ""))
+    before = scrape(server.url, series) if workload == "prefill" else {}
+    art = out / f"{server_name}-{workload}" / (f"rate-{rate:g}" if rate else "")
+    read_before = measure_bandwidth(repeats=3) / 1e9
+    row = aiperf(args, server.url, name, load, rate, seed, art)
+    state["rows"].append({"workload": workload, "server": server_name, "rate": rate, "seed": seed,
+                          **asdict(load), **row, "read_gbs": [read_before, measure_bandwidth(repeats=3) / 1e9]})
+    if workload == "prefill":
+        records = art / "profile_export.jsonl"
+        state["prefill"][server_name] = {
+            "served": report.served_prefill(report.read_records(records)) if records.exists() else {},
+            "metrics": report.metrics_prefill(before, scrape(server.url, series))}
+    write(out, state, args)
 
 
 def aiperf_args(load: Load, rate: float | None, seed: int) -> list[str]:
@@ -340,37 +379,28 @@ def main(argv=None) -> int:
     if "prefill" in shapes and not args.skip_offline and not args.skip_ours:
         announce(f"offline prefill: {shapes['prefill'].concurrency} x {shapes['prefill'].isl} tokens")
         state["offline"] = offline_prefill(args, shapes["prefill"], out)
-    for server_name in (["ours"] if not args.skip_ours else []) + (["vllm"] if vllm_cmd else []):
-        if server_name == "ours":
-            ns = argparse.Namespace(**{**vars(args), "requests": 256, "streams": MAX_NUM_SEQS,
-                                       "max_batch": MAX_NUM_SEQS})
-            server = ServerProcess(ns, args.max_model_len, out / "ours.log", prefix_cache=OURS_PREFIX_CACHE)
-            state["servers"]["ours"] = {"cmd": list(server.proc.args), "env": deploy.recorded_env(dict(os.environ))}
-            series = report.OURS_PREFILL_SERIES
-        else:
-            server = VLLMServer(vllm_cmd, vllm_env, f"http://127.0.0.1:{port}", out / "vllm.log")
-            state["servers"]["vllm"] = {"cmd": vllm_cmd, "env": deploy.recorded_env(vllm_env)}
-            series = report.VLLM_PREFILL_SERIES
-        try:
-            announce(f"{server_name}: starting")
-            server.wait_ready()
-            warm_up(server.url, name, args.checkpoint_dir)
-            for workload, rate, seed in plan:
-                load = shapes[workload]
-                announce(f"{server_name}: {workload}" + (f" at {rate:g} req/s" if rate else ""))
-                before = scrape(server.url, series) if workload == "prefill" else {}
-                art = out / f"{server_name}-{workload}" / (f"rate-{rate:g}" if rate else "")
-                row = aiperf(args, server.url, name, load, rate, seed, art)
-                state["rows"].append({"workload": workload, "server": server_name, "rate": rate, "seed": seed,
-                                      **asdict(load), **row})
-                if workload == "prefill":
-                    records = art / "profile_export.jsonl"
-                    state["prefill"][server_name] = {
-                        "served": report.served_prefill(report.read_records(records)) if records.exists() else {},
-                        "metrics": report.metrics_prefill(before, scrape(server.url, series))}
-                write(out, state, args)
-        finally:
-            server.stop()
+    servers = (["ours"] if not args.skip_ours else []) + (["vllm"] if vllm_cmd else [])
+    for group, items in enumerate(workload_groups(plan)):
+        for server_name in servers if group % 2 == 0 else servers[::-1]:
+            if server_name == "ours":
+                ns = argparse.Namespace(**{**vars(args), "requests": 256, "streams": MAX_NUM_SEQS,
+                                           "max_batch": MAX_NUM_SEQS})
+                server = ServerProcess(ns, args.max_model_len, out / f"ours-{items[0][0]}.log",
+                                       prefix_cache=OURS_PREFIX_CACHE)
+                state["servers"]["ours"] = {"cmd": list(server.proc.args), "env": deploy.recorded_env(dict(os.environ))}
+                series = report.OURS_PREFILL_SERIES
+            else:
+                server = VLLMServer(vllm_cmd, vllm_env, f"http://127.0.0.1:{port}", out / f"vllm-{items[0][0]}.log")
+                state["servers"]["vllm"] = {"cmd": vllm_cmd, "env": deploy.recorded_env(vllm_env)}
+                series = report.VLLM_PREFILL_SERIES
+            try:
+                announce(f"{server_name}: starting")
+                server.wait_ready()
+                warm_up(server.url, name, args.checkpoint_dir)
+                for workload, rate, seed in items:
+                    run_one(args, state, out, server, server_name, series, name, shapes[workload], workload, rate, seed)
+            finally:
+                server.stop()
     write(out, state, args)
     print((out / "versus.md").read_text())
     print(f"wrote {out / 'versus.json'}")

@@ -15,7 +15,7 @@ METRICS = {"output_tok_s": ("output_token_throughput", "avg"), "ttft_p50_ms": ("
            "ttft_p99_ms": ("time_to_first_token", "p99"), "itl_p50_ms": ("inter_token_latency", "p50"),
            "itl_p99_ms": ("inter_token_latency", "p99"), "completed": ("completed_request_count", "avg")}
 COLUMNS = ("workload", "server", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-           "completed", "errors")
+           "completed", "errors", "read GB/s before, after")
 GOODPUT_COLUMNS = ("server", "goodput req/s", "output tok/s at goodput", "TTFT p99 ms by rate (req/s)")
 PREFILL_COLUMNS = ("server", "prompt tokens", "served prompt tok/s (aiperf)", "served prompt tok/s (/metrics)",
                    "offline prompt tok/s", "served / offline (aiperf)", "served / offline (/metrics)")
@@ -47,6 +47,12 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _read(row: dict) -> str:
+    """The machine's read bandwidth just before and after the run: it swings up to 2x within minutes on
+    these VMs, so two servers' rows are comparable only where they ran at similar readings."""
+    return ", ".join(format(x, ".1f") for x in row["read_gbs"]) if row.get("read_gbs") else "-"
+
+
 def results_table(rows: list[dict]) -> list[str]:
     """One line per workload and server, then ours / vLLM where both ran it: tok/s ours / theirs;
     latencies "Nx lower" (theirs / ours) or "Nx HIGHER" (ours / theirs)."""
@@ -58,14 +64,14 @@ def results_table(rows: list[dict]) -> list[str]:
         for server, r in by_server.items():
             lines.append(f"| {name} | {server} | {_num(r['output_tok_s'], '.1f')} | "
                          + " | ".join(_num(r[k], ".0f") for k in LATENCIES)
-                         + f" | {_num(r['completed'], '.0f')} | {r['errors']} |")
+                         + f" | {_num(r['completed'], '.0f')} | {r['errors']} | {_read(r)} |")
         if {"ours", "vllm"} <= by_server.keys():
             ours, theirs = by_server["ours"], by_server["vllm"]
             tok = (f"{ours['output_tok_s'] / theirs['output_tok_s']:.2f}x"
                    if ours["output_tok_s"] and theirs["output_tok_s"] else "-")
             lat = [("-" if not (ours[k] and theirs[k]) else f"{theirs[k] / ours[k]:.2f}x lower"
                     if theirs[k] >= ours[k] else f"{ours[k] / theirs[k]:.2f}x HIGHER") for k in LATENCIES]
-            lines.append(f"| {name} | ours / vLLM | {tok} | " + " | ".join(lat) + " | | |")
+            lines.append(f"| {name} | ours / vLLM | {tok} | " + " | ".join(lat) + " | | | |")
     return lines
 
 

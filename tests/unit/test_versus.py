@@ -34,6 +34,13 @@ def test_defaults_run_every_workload_and_sweep_four_rates():
                                                         ("prefill", None)]
 
 
+def test_each_workload_is_one_group_of_runs_a_fresh_server_start_serves():
+    groups = versus.workload_groups(versus.runs(args_for()))
+    assert [[(w, r) for w, r, _ in g] for g in groups] == [
+        [("streams", None)], [("poisson", 0.25), ("poisson", 0.5), ("poisson", 0.75), ("poisson", 1.0)],
+        [("prefix", None)], [("prefill", None)]]
+
+
 def test_quick_makes_every_workload_smaller_and_keeps_two_waves():
     a = args_for("--quick")
     assert a.rates == [0.5, 1.0]
@@ -172,8 +179,10 @@ def test_results_table_has_every_column_and_a_ratio_row_per_workload():
             row("vllm", None, 1000, workload="streams", tok_s=40), row("ours", 0.5, 500), row("vllm", 0.5, 1000)]
     for r in rows[:2]:
         r["concurrency"] = 16
+    rows[0]["read_gbs"] = [22.71, 19.04]
     lines = report.results_table(rows)
-    assert lines[0] == "| " + " | ".join(report.COLUMNS) + " |" and len(report.COLUMNS) == 9
+    assert lines[0] == "| " + " | ".join(report.COLUMNS) + " |" and len(report.COLUMNS) == 10
+    assert lines[2].endswith("| 22.7, 19.0 |") and lines[3].endswith("| - |")
     assert all(ln.count("|") == len(report.COLUMNS) + 1 for ln in lines)
     ratios = [ln for ln in lines if "ours / vLLM" in ln]
     assert len(ratios) == 2 and "1.50x" in ratios[0] and "2.00x HIGHER" in ratios[0] and "2.00x lower" in ratios[1]
