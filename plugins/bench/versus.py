@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -152,13 +153,7 @@ def workload_groups(plan: list[tuple[str, float | None, int]]) -> list[list[tupl
     """The plan's runs grouped by workload, in order. Each group gets a fresh start of each server (alone
     on the machine), the servers' order swapped from one group to the next: these VMs' memory bandwidth
     drifts up to 2x within minutes, and a fixed order would hand one server the same phase throughout."""
-    groups: list[list] = []
-    for item in plan:
-        if groups and groups[-1][0][0] == item[0]:
-            groups[-1].append(item)
-        else:
-            groups.append([item])
-    return groups
+    return [list(runs_of_one) for _, runs_of_one in itertools.groupby(plan, key=lambda run: run[0])]
 
 
 def run_one(args, state: dict, out: Path, server, server_name: str, series, name: str, load: Load,

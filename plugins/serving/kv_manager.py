@@ -110,12 +110,15 @@ class KVManager:
                     return n, entry
         return 0, None
 
+    def _longest(self, prompt: list[int]) -> tuple[int, _Entry | None]:
+        """The longest cached prefix that leaves at least one prompt token to compute (its logits are the
+        first new token's)."""
+        usable = tuple(prompt[:(len(prompt) - 1) // self.block * self.block])
+        return self._find(usable, self._hashes(usable))
+
     def cached(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens `lookup` would give now (no statistics counted)."""
-        if not self.prefix_enabled:
-            return 0
-        usable = tuple(prompt[:(len(prompt) - 1) // self.block * self.block])
-        return self._find(usable, self._hashes(usable))[0]
+        return self._longest(prompt)[0] if self.prefix_enabled else 0
 
     def lookup(self, prompt: list[int]) -> tuple[int | None, int]:
         """(entry, tokens it gives) for the longest cached prefix that leaves at least one prompt token to
@@ -123,8 +126,7 @@ class KVManager:
         if not self.prefix_enabled:
             return None, 0
         self.lookups += 1
-        usable = tuple(prompt[:(len(prompt) - 1) // self.block * self.block])
-        n, entry = self._find(usable, self._hashes(usable))
+        n, entry = self._longest(prompt)
         if entry is None:
             return None, 0
         self._lru.move_to_end(entry.id)
