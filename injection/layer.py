@@ -21,6 +21,8 @@ that are right for gpt_bigcode (tanh GELU, MQA attention on a one-head cache) an
   `plugins.kernels.rows_alone()` several tokens are attended one by one, as one-token steps.
 - layer norms and residual adds (bf16, CPU, a compiled rung): fused kernels (`plugins.kernels.layer_ops`)
   in place of torch's layer norm and DeepSpeed's residual fallback (which widens five operands to fp32).
+- a bf16 one-token step of an MQA layer on CPU makes the same kernel calls without the bindings' module
+  calls (`injection.one_token`).
 
 With CUDA, DeepSpeed binds its compiled kernels for the GEMMs, layer norms and the fused
 bias-GELU MLP (tanh GELU in the kernel); attention always runs on our cache (DeepSpeed's
@@ -39,6 +41,7 @@ from deepspeed.ops.transformer.inference.op_binding import (MLPGemmOp, QKVGemmOp
 from torch import nn
 
 from injection import compat
+from injection.one_token import OneTokenStep
 from plugins import kernels
 from plugins.engine.kv_cache import SegmentLayer, layer_cache
 from plugins.kernels import PackedWeights, layer_ops
@@ -256,6 +259,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self.kv_capacity = min(config.max_out_tokens, max_positions)
         self.scale = scale
         self.weights_row_major = False
+        self._one_token = (None, None)  # (linear choice, its OneTokenStep or None), made at the first decode step
         if compat.on_cpu():
             kernels.decision()  # kernels built (once per machine) now, not inside the first decode step
 
@@ -273,6 +277,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
             if param.is_floating_point() and not param.t().is_contiguous():
                 param.data = param.data.t().contiguous().t()
         self.weights_row_major = True
+        self._one_token = (None, None)
 
     def quantize(self, kind: str = "int8") -> None:
         """Weight-only quantization of the four linears (in place): "int8" (per-output-channel symmetric
@@ -290,10 +295,18 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
                 param = nn.Parameter(int4.packed, requires_grad=False)
                 param.int4 = int4
             setattr(owner, name, param)
+        self._one_token = (None, None)
         # DeepSpeed's compiled kernels (CUDA) expect their own int8 format: route these linears to our fallbacks.
         attn.qkv_func.qkv_gemm_func = attn.qkv_func.qkv_gemm_fallback
         attn.vector_matmul_func.vector_matmul_func = attn.vector_matmul_func.vector_matmul_fallback
         mlp.mlp_gemm_func.mlp_gemm_func = mlp.mlp_gemm_func.mlp_gemm_fallback
+
+    def one_token_step(self, impl: str) -> OneTokenStep | None:
+        """The direct one-token step for linear choice `impl`, None where this layer does not fit it
+        (MHA, quantized or TP weights, no fused kernels on this rung)."""
+        if self._one_token[0] != impl:
+            self._one_token = (impl, OneTokenStep(self, impl) if OneTokenStep.fits(self) else None)
+        return self._one_token[1]
 
     def forward(self, hidden_states=None, encoder_hidden_states=None, layer_past=None, attention_mask=None,
                 use_cache=False, **kwargs):
@@ -307,6 +320,10 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         if not self.weights_row_major and hidden_states.device.type == "cpu":
             self.store_row_major()
         kv = layer_cache(cache, self.layer_idx, self.kv_capacity)
+        if rope is None and OneTokenStep.takes(hidden_states, kv, attention_mask):
+            step = self.one_token_step(kernels.bf16_choice(hidden_states))
+            if step is not None:
+                return step(hidden_states, kv, attention_mask)
         input_dtype = hidden_states.dtype
         x = hidden_states.to(self.config.dtype)
         self.allocate_workspace(x.size())  # as upstream: the compiled kernels' scratch space (CPU: sizes only)

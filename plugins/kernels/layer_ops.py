@@ -15,23 +15,28 @@ import torch
 from plugins import kernels
 
 
+def compiled(name: str):
+    """The kernel `name` of the first compiled module that has it; None where none has (the torch rung)."""
+    return next((getattr(m, name) for m in kernels.decision().modules.values() if hasattr(m, name)), None)
+
+
 def _kernel(name: str, *tensors):
-    """The compiled module that has `name`, if every tensor given is a bf16 CPU tensor; else None."""
+    """The compiled kernel `name`, if every tensor given is a bf16 CPU tensor; else None."""
     if torch.compiler.is_compiling():
         return None
     if any(t is not None and (t.device.type != "cpu" or t.dtype != torch.bfloat16) for t in tensors):
         return None
-    return next((m for m in kernels.decision().modules.values() if hasattr(m, name)), None)
+    return compiled(name)
 
 
 def add_layer_norm(x, gamma, beta, eps: float, y=None, bias=None):
     """(s, layer_norm(s)) for s = x + y + bias (s = x without y) over the last dim, in one pass;
     s is rounded once to bf16 (fp32 sum). None where no kernel applies."""
-    module = _kernel("add_layer_norm", x, y, bias, gamma, beta)
-    if module is None:
+    kernel = _kernel("add_layer_norm", x, y, bias, gamma, beta)
+    if kernel is None:
         return None
     n = x.shape[-1]
-    s, normed = module.add_layer_norm(x.reshape(-1, n).contiguous(),
+    s, normed = kernel(x.reshape(-1, n).contiguous(),
                                       None if y is None else y.reshape(-1, n).contiguous(),
                                       bias, gamma.contiguous(), beta.contiguous(), float(eps))
     return s.view(x.shape), normed.view(x.shape)
@@ -40,11 +45,11 @@ def add_layer_norm(x, gamma, beta, eps: float, y=None, bias=None):
 def add_residuals_(x, a, a_bias, y, y_bias) -> bool:
     """In place: x = (x + a + a_bias) + y + y_bias, each sum in fp32 rounded once to bf16 (the two
     residual adds of a pre-LN layer: attention output a, MLP output y). False where no kernel applies."""
-    module = _kernel("add_residuals_", x, a, a_bias, y, y_bias)
-    if module is None or not x.is_contiguous():
+    kernel = _kernel("add_residuals_", x, a, a_bias, y, y_bias)
+    if kernel is None or not x.is_contiguous():
         return False
     n = x.shape[-1]
-    module.add_residuals_(x.view(-1, n), a.reshape(-1, n).contiguous(), a_bias, y.reshape(-1, n).contiguous(), y_bias)
+    kernel(x.view(-1, n), a.reshape(-1, n).contiguous(), a_bias, y.reshape(-1, n).contiguous(), y_bias)
     return True
 
 
@@ -52,8 +57,8 @@ def mqa_decode_attention(query, key, value, allowed, scale: float):
     """One query token per sequence on a one-head cache: query [B, H, D], key / value [B, L, D] (views
     of the cache are fine: only the last dim must be contiguous), allowed [B, L] bool (True = attend)
     or None -> [B, H * D]. None where no kernel applies."""
-    module = _kernel("mqa_decode_attention", query, key, value)
-    if (module is None or (allowed is not None and allowed.dtype != torch.bool)
+    kernel = _kernel("mqa_decode_attention", query, key, value)
+    if (kernel is None or (allowed is not None and allowed.dtype != torch.bool)
             or any(t.stride(-1) != 1 for t in (query, key, value))):
         return None
-    return module.mqa_decode_attention(query, key, value, allowed, float(scale))
+    return kernel(query, key, value, allowed, float(scale))

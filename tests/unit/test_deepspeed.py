@@ -4,12 +4,14 @@
 import pytest
 import torch
 
+from injection.one_token import OneTokenStep
 from plugins import kernels
 from plugins.core.config import ConfigError
 from plugins.core.tensors import position_ids
 from plugins.core.tokenizer import prompt_token_ids
 from plugins.deepspeed.decoder import InjectedDecoder, compiled
 from plugins.engine.registry import load_backend
+from plugins.kernels import layer_ops
 
 LINEAR_WEIGHTS = (("attention", "attn_qkvw"), ("attention", "attn_ow"), ("mlp", "inter_w"), ("mlp", "output_w"))
 
@@ -169,6 +171,46 @@ def test_bf16_verify_logits_equal_one_token_steps(name, ckpt_factory, padded_bat
         steps = torch.stack([dec.decode(new[:, t:t + 1], full_mask[:, :prompt.shape[1] + t + 1], new_pos[:, t:t + 1])
                              for t in range(5)], 1)
         assert torch.equal(verify, steps)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("padded", [True, False])
+def test_bf16_one_token_step_gives_the_op_bindings_bits(ckpt_factory, padded_batch, monkeypatch, padded):
+    """A bf16 MQA decode step runs each layer's direct one-token step (injection.one_token) wherever the
+    rung has the fused kernels, and its logits and cache are those of DeepSpeed's op bindings, bit for bit."""
+    _, ids, mask = padded_batch
+    if not padded:
+        ids, mask = ids[:, -3:], torch.ones_like(mask[:, -3:])
+    ds = load_backend("deepspeed", ckpt_factory("tiny"), dtype="bfloat16")
+    noise = torch.Generator().manual_seed(1)
+    for block in ds.model.transformer.h:  # the checkpoint's biases are zero: give each its own values
+        for bias in (block.norm_b, block.attention.attn_qkvb, block.attention.attn_ob, block.mlp.attn_nb,
+                     block.mlp.inter_b, block.mlp.output_b):
+            bias.data.copy_(0.1 * torch.randn(bias.shape, generator=noise))
+    calls = []
+    direct_call = OneTokenStep.__call__
+    monkeypatch.setattr(OneTokenStep, "__call__", lambda self, *a: calls.append(1) or direct_call(self, *a))
+    dec = ds.decoder(ids.shape[0], ids.shape[1] + 3)
+    pos = position_ids(mask)
+    dec.prefill(ids, mask, pos)
+    new = torch.tensor([[5, 9], [7, 1], [11, 6]])
+    full_mask = torch.cat([mask, torch.ones(3, 2, dtype=mask.dtype)], 1)
+
+    def two_steps():
+        steps = [dec.decode(new[:, t:t + 1], full_mask[:, :ids.shape[1] + t + 1], pos[:, -1:] + 1 + t)
+                 for t in range(2)]
+        kv = [t[:, :, :ids.shape[1] + 2].clone() for layer in dec.cache.layers for t in (layer.keys, layer.values)]
+        dec.rollback(2)
+        return torch.stack(steps), kv
+
+    direct, direct_kv = two_steps()
+    layers = len(dec.cache.layers)
+    assert len(calls) == (2 * layers if layer_ops.compiled("add_residuals_") is not None else 0)
+    monkeypatch.setattr(OneTokenStep, "takes", staticmethod(lambda *a: False))
+    bindings, bindings_kv = two_steps()
+    assert len(calls) in (0, 2 * layers)
+    assert torch.equal(direct, bindings)
+    assert all(torch.equal(a, b) for a, b in zip(direct_kv, bindings_kv))
 
 
 def test_prompt_lookup_accepts_most_drafts_when_the_prompt_holds_the_answer(ckpt_factory, tokenizer):
