@@ -24,6 +24,10 @@ if args.remeasure:
 
     forget((args.kind,) if args.kind else KINDS)
 p = decision() if args.build or args.lower_rungs else probe(args.kind)
+if args.build:
+    from plugins.kernels.layer_ops import amx_module
+
+    amx_module()  # the AMX decode attention, where this CPU has AMX
 if args.bench:
     from plugins.kernels.bench import bench
 

@@ -19,6 +19,8 @@ KERNEL_ISA = {
     "avx512f": (("avx512_f", "avx512_bw", "avx512_vl"), ["-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": (("avx2", "fma3", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 }
+# Not a rung: the decode attention with AMX tiles beside the avx512 rung (csrc/decode_amx.cpp)
+AMX_ISA = ((*KERNEL_ISA["avx512"][0], "amx_tile", "amx_bf16"), [*KERNEL_ISA["avx512"][1], "-mamx-tile", "-mamx-bf16"])
 
 
 def capabilities() -> dict:
@@ -54,7 +56,11 @@ def onednn_packs_bf16() -> bool:
 def supported(name: str, caps: dict | None = None) -> bool:
     """Whether this CPU has the instructions kernel `name` is compiled for."""
     caps = capabilities() if caps is None else caps
-    return all(caps.get(flag, False) for flag in KERNEL_ISA[name][0])
+    return all(caps.get(flag, False) for flag in _isa(name)[0])
+
+
+def _isa(name: str):
+    return AMX_ISA if name == "amx" else KERNEL_ISA[name]
 
 
 @functools.cache
@@ -66,7 +72,7 @@ def build(name: str):
 
     if not extension_built(f"decode_{name}"):
         announce(f"building the {name} decode kernel with g++ (once per machine, ~25 s)...")
-    flags = KERNEL_ISA[name][1]
+    flags = _isa(name)[1]
     # torch's loader rebuilds when the sources or flags change; the headers' hash goes into the flags
     header = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:

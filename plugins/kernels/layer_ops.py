@@ -10,13 +10,31 @@ torch's small ops look several times slower.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from plugins import kernels
 
+AMX_ENV = "PLUGINS_KERNELS_AMX"  # "0": the avx512 rung's decode attention on an AMX Xeon too
+
+
+@functools.cache
+def amx_module():
+    """csrc/decode_amx.cpp where it runs: the avx512 rung in use, a CPU with AMX-BF16, the kernel built and
+    the tiles granted by the OS, unless PLUGINS_KERNELS_AMX=0; else None."""
+    if os.environ.get(AMX_ENV) == "0" or "avx512" not in kernels.decision().modules or not kernels.supported("amx"):
+        return None
+    module = kernels.build("amx")
+    return module if module is not None and module.amx_ready() else None
+
 
 def compiled(name: str):
-    """The kernel `name` of the first compiled module that has it; None where none has (the torch rung)."""
+    """The kernel `name` of the first compiled module that has it (the decode attention: AMX's where it
+    runs); None where none has (the torch rung)."""
+    if name == "mqa_decode_attention" and amx_module() is not None:
+        return amx_module().mqa_decode_attention
     return next((getattr(m, name) for m in kernels.decision().modules.values() if hasattr(m, name)), None)
 
 

@@ -17,7 +17,8 @@ from plugins.kernels import layer_ops
 pytestmark = pytest.mark.kernels
 
 RUNNABLE = [name for name in kernels.KERNEL_ISA if kernels.supported(name)]
-ATTENTION = [name for name in RUNNABLE if name in kernels.TILED]
+# the avx512 rungs' decode attention, and the AMX one (scores on tiles) where the CPU has AMX-BF16
+ATTENTION = [name for name in RUNNABLE if name in kernels.TILED] + (["amx"] if kernels.supported("amx") else [])
 
 
 def skip_if_none(names):
@@ -102,6 +103,25 @@ def test_layer_ops_follow_the_rung():
     assert layer_ops.mqa_decode_attention(q.float(), kv.float(), kv.float(), None, 0.25) is None
 
 
+def test_amx_attention_runs_where_the_cpu_has_it_unless_turned_off(monkeypatch):
+    """On the avx512 rung of a CPU with AMX-BF16 the decode attention is the AMX kernel (it must build and
+    get its tiles: no silent fallback); PLUGINS_KERNELS_AMX=0 gives the rung's own kernel back."""
+    amx_here = kernels.supported("amx") and "avx512" in kernels.decision().modules
+    assert (layer_ops.amx_module() is not None) == amx_here
+    if amx_here:
+        assert layer_ops.compiled("mqa_decode_attention") is layer_ops.amx_module().mqa_decode_attention
+    monkeypatch.setenv(layer_ops.AMX_ENV, "0")
+    layer_ops.amx_module.cache_clear()
+    try:
+        assert layer_ops.amx_module() is None
+        rung = layer_ops.compiled("mqa_decode_attention")
+        assert rung is None or any(rung is getattr(m, "mqa_decode_attention", None)
+                                   for m in kernels.decision().modules.values())
+    finally:
+        monkeypatch.delenv(layer_ops.AMX_ENV)
+        layer_ops.amx_module.cache_clear()
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
 def test_injected_layer_runs_the_fused_kernels(name, ckpt_factory, padded_batch, monkeypatch):
     """A bf16 decode step of the injected model calls the fused kernels once per layer each where the
@@ -119,7 +139,8 @@ def test_injected_layer_runs_the_fused_kernels(name, ckpt_factory, padded_batch,
         return dec.decode(nxt, full, pos[:, -1:] + 1).float()
 
     ran = {"add_layer_norm": 0, "add_residuals_": 0, "mqa_decode_attention": 0}
-    for module in kernels.decision().modules.values():  # the kernels themselves, whoever calls them
+    amx = [layer_ops.amx_module()] if layer_ops.amx_module() is not None else []
+    for module in [*kernels.decision().modules.values(), *amx]:  # the kernels themselves, whoever calls them
         for fn in ran:
             if hasattr(module, fn):
                 def counted(*args, _fn=getattr(module, fn), _name=fn):

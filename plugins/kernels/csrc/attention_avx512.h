@@ -74,11 +74,37 @@ inline void weighted_sum1(const float* p, const float* vf, int64_t D, int64_t n,
   _mm512_storeu_ps(ot, a);
 }
 
+// The scores of one query token's 16 heads against every key, fp32 FMAs: sc[l * 16 + j] = scale * q_j . k_l
+// (heads j < nh; the other lanes 0). Per thread: the query and a block of keys widened to fp32.
+struct FmaScores {
+  std::vector<float> qt, block;
+  explicit FmaScores(int64_t D) : qt(D * 16), block(ATTN_KEYS * D) {}
+  void operator()(const bf16* qb, int64_t qs1, int64_t nh, const bf16* kb, int64_t ks1, int64_t L, int64_t D,
+                  float scale, float* sc) {
+    std::fill(qt.begin(), qt.end(), 0.0f);
+    for (int64_t j = 0; j < nh; ++j)
+      for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = static_cast<float>(qb[j * qs1 + d]) * scale;
+    __m512 s[8];
+    for (int64_t l0 = 0; l0 < L; l0 += ATTN_KEYS) {  // eight keys at a time
+      const int64_t n = std::min(ATTN_KEYS, L - l0);
+      widen_rows(kb + l0 * ks1, ks1, n, D, block.data());
+      for (int64_t l = 0; l < n;) {
+        const int64_t keys = n - l >= 8 ? 8 : 1;
+        if (keys == 8) scores8(qt.data(), block.data() + l * D, D, s);
+        else s[0] = scores1(qt.data(), block.data() + l * D, D);
+        for (int64_t i = 0; i < keys; ++i, ++l) _mm512_storeu_ps(sc + (l0 + l) * 16, s[i]);
+      }
+    }
+  }
+};
+
 // q [B, H, D], k and v [B, L, D] (head dim contiguous, other strides free: views of the cache),
 // allowed [B, L] bool or None -> [B, H * D]: softmax(scale * q k^T, over allowed keys) v per head.
-// A sequence with no allowed key gets zeros.
-at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const c10::optional<at::Tensor>& allowed, double scale) {
+// A sequence with no allowed key gets zeros. `Scores` (FmaScores, or the AMX kernel's) computes the
+// scores; softmax and the weighted sum of values are the same for both.
+template <class Scores>
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& allowed, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "bf16 q, k, v");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
@@ -103,33 +129,16 @@ at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t chunks = (H + 15) / 16;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qt(D * 16), ot(D * 16), probs(L * 16), block(ATTN_KEYS * D);
+    Scores scores(D);
+    std::vector<float> ot(D * 16), probs(L * 16), block(ATTN_KEYS * D);
     float* sc = probs.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / chunks, h0 = (task % chunks) * 16, nh = std::min<int64_t>(16, H - h0);
-      const bf16* qb = qp + b * qs0 + h0 * qs1;
-      std::fill(qt.begin(), qt.end(), 0.0f);
-      for (int64_t j = 0; j < nh; ++j)
-        for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = static_cast<float>(qb[j * qs1 + d]) * fscale;
-      const bf16 *kb = kp + b * ks0, *vb = vp + b * vs0;
       auto is_allowed = [&](int64_t l) { return mp == nullptr || mp[b * mb + l * ml]; };
-
-      // scores [L][16 heads], eight keys at a time
-      __m512 s[8];
+      scores(qp + b * qs0 + h0 * qs1, qs1, nh, kp + b * ks0, ks1, L, D, fscale, sc);
       __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t l0 = 0; l0 < L; l0 += ATTN_KEYS) {
-        const int64_t n = std::min(ATTN_KEYS, L - l0);
-        widen_rows(kb + l0 * ks1, ks1, n, D, block.data());
-        for (int64_t l = 0; l < n;) {
-          const int64_t keys = n - l >= 8 ? 8 : 1;
-          if (keys == 8) scores8(qt.data(), block.data() + l * D, D, s);
-          else s[0] = scores1(qt.data(), block.data() + l * D, D);
-          for (int64_t i = 0; i < keys; ++i, ++l) {
-            _mm512_storeu_ps(sc + (l0 + l) * 16, s[i]);
-            if (is_allowed(l0 + l)) top = _mm512_max_ps(top, s[i]);
-          }
-        }
-      }
+      for (int64_t l = 0; l < L; ++l)
+        if (is_allowed(l)) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + l * 16));
       __m512 total = _mm512_setzero_ps();
       const bool any = _mm512_reduce_min_ps(top) > -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < L; ++l) {
@@ -140,6 +149,7 @@ at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
       }
 
       // ot [D][16 heads] = sum over keys of p * v, eight head-dim columns at a time
+      const bf16* vb = vp + b * vs0;
       std::fill(ot.begin(), ot.end(), 0.0f);
       for (int64_t l0 = 0; l0 < L; l0 += ATTN_KEYS) {
         const int64_t n = std::min(ATTN_KEYS, L - l0);
@@ -160,4 +170,9 @@ at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
     }
   });
   return out;
+}
+
+inline at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const c10::optional<at::Tensor>& allowed, double scale) {
+  return decode_attention<FmaScores>(q, k, v, allowed, scale);
 }
