@@ -74,13 +74,14 @@ inline void weighted_sum1(const float* p, const float* vf, int64_t D, int64_t n,
   _mm512_storeu_ps(ot, a);
 }
 
-// The scores of one query token's 16 heads against every key, fp32 FMAs: sc[l * 16 + j] = scale * q_j . k_l
-// (heads j < nh; the other lanes 0). Per thread: the query and a block of keys widened to fp32.
-struct FmaScores {
-  std::vector<float> qt, block;
-  explicit FmaScores(int64_t D) : qt(D * 16), block(ATTN_KEYS * D) {}
-  void operator()(const bf16* qb, int64_t qs1, int64_t nh, const bf16* kb, int64_t ks1, int64_t L, int64_t D,
-                  float scale, float* sc) {
+// One query token's 16 heads against every key with fp32 FMAs (heads j < nh; the other lanes 0):
+// `scores`: sc[l * 16 + j] = scale * q_j . k_l; `values`: ob[j * D + d] = bf16(inv_j * sum over l of
+// p[l * 16 + j] v_l[d]). Per thread: the query and a block of keys or values widened to fp32.
+struct FmaAttention {
+  std::vector<float> qt, block, ot;
+  explicit FmaAttention(int64_t D) : qt(D * 16), block(ATTN_KEYS * D), ot(D * 16) {}
+  void scores(const bf16* qb, int64_t qs1, int64_t nh, const bf16* kb, int64_t ks1, int64_t L, int64_t D,
+              float scale, float* sc) {
     std::fill(qt.begin(), qt.end(), 0.0f);
     for (int64_t j = 0; j < nh; ++j)
       for (int64_t d = 0; d < D; ++d) qt[d * 16 + j] = static_cast<float>(qb[j * qs1 + d]) * scale;
@@ -96,13 +97,30 @@ struct FmaScores {
       }
     }
   }
+  void values(const float* p, const bf16* vb, int64_t vs1, int64_t L, int64_t D, __m512 inv, int64_t nh, bf16* ob) {
+    std::fill(ot.begin(), ot.end(), 0.0f);  // ot [D][16 heads], eight head-dim columns at a time
+    for (int64_t l0 = 0; l0 < L; l0 += ATTN_KEYS) {
+      const int64_t n = std::min(ATTN_KEYS, L - l0);
+      widen_rows(vb + l0 * vs1, vs1, n, D, block.data());
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        if (D - d0 >= 8) weighted_sum8(p + l0 * 16, block.data() + d0, D, n, ot.data() + d0 * 16);
+        else
+          for (int64_t d = d0; d < D; ++d) weighted_sum1(p + l0 * 16, block.data() + d, D, n, ot.data() + d * 16);
+      }
+    }
+    alignas(64) float row[16];
+    for (int64_t d = 0; d < D; ++d) {
+      _mm512_store_ps(row, _mm512_mul_ps(_mm512_loadu_ps(ot.data() + d * 16), inv));
+      for (int64_t j = 0; j < nh; ++j) ob[j * D + d].x = round_bf16(row[j]);
+    }
+  }
 };
 
 // q [B, H, D], k and v [B, L, D] (head dim contiguous, other strides free: views of the cache),
 // allowed [B, L] bool or None -> [B, H * D]: softmax(scale * q k^T, over allowed keys) v per head.
-// A sequence with no allowed key gets zeros. `Scores` (FmaScores, or the AMX kernel's) computes the
-// scores; softmax and the weighted sum of values are the same for both.
-template <class Scores>
+// A sequence with no allowed key gets zeros. `Kernel` (FmaAttention, or the AMX kernel's) computes the
+// scores and the weighted sum of values; the softmax between them is this function's.
+template <class Kernel>
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& allowed, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
@@ -129,13 +147,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t chunks = (H + 15) / 16;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
-    Scores scores(D);
-    std::vector<float> ot(D * 16), probs(L * 16), block(ATTN_KEYS * D);
+    Kernel kernel(D);
+    std::vector<float> probs(L * 16);
     float* sc = probs.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / chunks, h0 = (task % chunks) * 16, nh = std::min<int64_t>(16, H - h0);
       auto is_allowed = [&](int64_t l) { return mp == nullptr || mp[b * mb + l * ml]; };
-      scores(qp + b * qs0 + h0 * qs1, qs1, nh, kp + b * ks0, ks1, L, D, fscale, sc);
+      kernel.scores(qp + b * qs0 + h0 * qs1, qs1, nh, kp + b * ks0, ks1, L, D, fscale, sc);
       __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t l = 0; l < L; ++l)
         if (is_allowed(l)) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + l * 16));
@@ -148,25 +166,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         total = _mm512_add_ps(total, p);
       }
 
-      // ot [D][16 heads] = sum over keys of p * v, eight head-dim columns at a time
-      const bf16* vb = vp + b * vs0;
-      std::fill(ot.begin(), ot.end(), 0.0f);
-      for (int64_t l0 = 0; l0 < L; l0 += ATTN_KEYS) {
-        const int64_t n = std::min(ATTN_KEYS, L - l0);
-        widen_rows(vb + l0 * vs1, vs1, n, D, block.data());
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {
-          if (D - d0 >= 8) weighted_sum8(sc + l0 * 16, block.data() + d0, D, n, ot.data() + d0 * 16);
-          else
-            for (int64_t d = d0; d < D; ++d) weighted_sum1(sc + l0 * 16, block.data() + d, D, n, ot.data() + d * 16);
-        }
-      }
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(total, _mm512_set1_ps(1e-30f)));
-      alignas(64) float row[16];
-      bf16* ob = op + b * H * D + h0 * D;
-      for (int64_t d = 0; d < D; ++d) {
-        _mm512_store_ps(row, _mm512_mul_ps(_mm512_loadu_ps(ot.data() + d * 16), inv));
-        for (int64_t j = 0; j < nh; ++j) ob[j * D + d].x = round_bf16(row[j]);
-      }
+      kernel.values(sc, vp + b * vs0, vs1, L, D, inv, nh, op + b * H * D + h0 * D);
     }
   });
   return out;
@@ -174,5 +175,5 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 inline at::Tensor mqa_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const c10::optional<at::Tensor>& allowed, double scale) {
-  return decode_attention<FmaScores>(q, k, v, allowed, scale);
+  return decode_attention<FmaAttention>(q, k, v, allowed, scale);
 }
