@@ -262,6 +262,7 @@ class DeepSpeedGPTBigCodeInference(DeepSpeedTransformerInference):
         self._one_token = (None, None)  # (linear choice, its OneTokenStep or None), made at the first decode step
         if compat.on_cpu():
             kernels.decision()  # kernels built (once per machine) now, not inside the first decode step
+            layer_ops.amx_module()
 
     def _linear_weights(self):
         attn, mlp = self.attention, self.mlp

@@ -1,6 +1,7 @@
 """The rest of a decoder layer's CPU bf16 work, fused in our kernels: the residual adds with the layer
 norm (csrc/layer_norm.h, every compiled rung) and one-token attention on an MQA cache
-(csrc/attention_avx512.h, the AVX512 rungs). Where no kernel applies (other dtypes, CUDA, the torch
+(csrc/attention_avx512.h, the AVX512 rungs; on AMX tiles where the CPU has AMX-BF16: csrc/decode_amx.cpp,
+1.4-1.6x faster at every shape measured, docs/kernels.md). Where no kernel applies (other dtypes, CUDA, the torch
 rung, under torch.compile) each function says so (None / False) and the caller runs torch's ops.
 
 What they save is small (a few percent of a decode step: docs/results/2026-11-30-fused-layer-kernels.md);
@@ -54,9 +55,8 @@ def add_layer_norm(x, gamma, beta, eps: float, y=None, bias=None):
     if kernel is None:
         return None
     n = x.shape[-1]
-    s, normed = kernel(x.reshape(-1, n).contiguous(),
-                                      None if y is None else y.reshape(-1, n).contiguous(),
-                                      bias, gamma.contiguous(), beta.contiguous(), float(eps))
+    s, normed = kernel(x.reshape(-1, n).contiguous(), None if y is None else y.reshape(-1, n).contiguous(),
+                       bias, gamma.contiguous(), beta.contiguous(), float(eps))
     return s.view(x.shape), normed.view(x.shape)
 
 
