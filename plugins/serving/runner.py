@@ -132,9 +132,10 @@ class ModelRunner:
             fill.requests.append(a.request)
 
     def _reuse(self, fill: _Fill, entry: int, tokens: int) -> None:
-        """A first chunk starts after a cached prefix: a copy of it (the entry may go while the prompt is
-        still on its way)."""
-        fill.kv = [t.narrow(self.decoder.time_dim, 0, tokens).clone() for t in self.entries[entry]]
+        """A first chunk starts after a cached prefix: views of it, not a copy. The scheduler runs that
+        chunk in this same step (the entry pinned for it), and every `prefill_alone` / `mixed` copies the
+        prefix into the chunk's own cache and leaves it untouched; the fill then holds that cache."""
+        fill.kv = [t.narrow(self.decoder.time_dim, 0, tokens) for t in self.entries[entry]]
         fill.done = tokens
 
     def _release(self, rid: int) -> None:
