@@ -27,7 +27,9 @@ While prompts wait for their first token the step takes
   R_i * (D + F) / C + R_i * tau <= s_i, i.e. C >= R_i * (D + F) / (s_i - R_i * tau); a prompt already
   past saving (s_i <= R_i * tau) asks for `most`.
 With no row decoding, nobody's tokens wait on the chunk: `most`. Before D is known, the first step
-with rows is a plain decode step (it measures D); before tau is known, a chunk of `first` tokens.
+with rows is a plain decode step (it measures D); before tau is known, a chunk of `first` tokens. A
+step of prompts alone (at least first / 2 tokens) gives tau's first reading, (T - D) / C, so a burst of
+prompts arriving while the first ones are computed is not held to `first` tokens the next step.
 A prompt's short tail (under half the budget) is not a reading: its fixed costs would inflate tau.
 
 The decision is the scheduler's (one process), handed to the runner with each step, so tensor-parallel
@@ -131,7 +133,10 @@ class GoodputBudget:
 
     def observe(self, result: StepResult) -> None:
         phases, chunk = result.seconds, result.prompt_tokens
-        if not self.rows:  # no row decoded as the step began: its phases are prompts and newly placed rows
+        if not self.rows:  # prompts alone: a first reading of tau, their forward's fixed cost taken as D's
+            if self.token_s is None and self.decode_s is not None and chunk >= self.first / 2:
+                spent = sum(phases.values()) - self.decode_s
+                self.token_s = max(spent, 0.01 * self.decode_s) / chunk
             return
         if chunk:
             self.own_forward = "prefill" in phases and "decode" in phases

@@ -73,6 +73,20 @@ def test_a_short_tail_is_not_a_reading_and_the_last_chunk_of_a_burst_is_not_eith
     assert budget.token_s == pytest.approx(0.001)
 
 
+def test_a_step_of_prompts_alone_gives_the_first_reading_of_the_cost_per_token():
+    # a burst: its first prompts are computed while nothing decodes, the rest arrive meanwhile
+    decode_s, token_s, _ = MACHINES["amx"]
+    budget = GoodputBudget(ttft_slo=2.0, itl_slo=0.5, first=256)
+    budget.decode_s = decode_s  # measured on an earlier request
+    assert budget.next(0, young(384), NOW) == 2048
+    budget.observe(StepResult(prompt_tokens=384, seconds={"mixed": decode_s + 384 * token_s}))
+    assert budget.token_s == pytest.approx(token_s)
+    # 13 prompts of 128 waited a second behind the 3 now decoding: past saving at `first` tokens a step
+    assert budget.next(3, [(NOW - 1.0, 128)] * 13, NOW) == 2048
+    budget.observe(step(decode_s, 2 * token_s, True, 2048))  # readings with rows are averaged in
+    assert budget.token_s == pytest.approx(1.5 * token_s)
+
+
 def test_whole_prompts_a_fixed_budget_and_the_flag_values():
     assert WholePrompts().next(5, young(), NOW) == math.inf
     fixed = FixedTokenBudget(12)
