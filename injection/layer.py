@@ -197,7 +197,8 @@ class MQASoftmaxContextOp(SoftmaxContextOp):
         if n:  # no rows: prompt chunks alone
             parts.append(self.forward(qkv[0, :n].unsqueeze(1), mask, kv.pool, heads, kv_heads, scale).view(1, n, -1))
         start = n
-        for layer, length in kv.chunks:
+        for i, (layer, length) in enumerate(kv.chunks):
+            kv.start(i)
             parts.append(self.forward(qkv[:, start:start + length], None, layer, heads, kv_heads, scale))
             start += length
         return torch.cat(parts, 1)

@@ -85,10 +85,11 @@ class InjectedDecoder(HFDecoder):
         mask = self._rows_mask(attention_mask) if self.padded else None
         return self.step(tokens, position_ids, mask)[:, -1]
 
-    def mixed(self, tokens, attention_mask, position_ids, chunks):
+    def mixed(self, tokens, attention_mask, position_ids, chunks, shared=None):
         """One forward of the pool's decode step and prompt chunks (chunked prefill): `tokens` /
         `position_ids` [n, 1] and `attention_mask` [n, t + 1] as `decode` takes them; `chunks` a list of
-        (one-row cache holding the prompt's earlier columns, chunk ids [1, C], positions [1, C]). The
+        (one-row cache holding the prompt's earlier columns, chunk ids [1, C], positions [1, C]); `shared`:
+        chunk index -> `SharedPrefix`, the columns it takes from an earlier chunk instead. The
         linears run once over every token (the weights are read once per step, not once per chunk);
         attention per sequence (plugins.engine.kv_cache.Segments). Returns (logits [n, V], the
         logits of each chunk's last token [1, V])."""
@@ -96,7 +97,7 @@ class InjectedDecoder(HFDecoder):
         ids = torch.cat([tokens.view(1, n)] + [c for _, c, _ in chunks], 1)
         pos = torch.cat([position_ids.view(1, n)] + [p for _, _, p in chunks], 1)
         mask = self._rows_mask(attention_mask)
-        cache = Segments(self.cache, n, [(c, ids_.shape[1]) for c, ids_, _ in chunks])
+        cache = Segments(self.cache, n, [(c, ids_.shape[1]) for c, ids_, _ in chunks], shared or {})
         h = self.trunk(ids, pos, cache, mask)
         ends = torch.tensor([c.shape[1] for _, c, _ in chunks], device=h.device).cumsum(0) + n - 1
         h = self.trunk.norm(torch.cat([h[0, :n], h[0, ends]]))

@@ -106,5 +106,6 @@ class BatchDecoder(Protocol):
 
     def mixed(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
               chunks: list) -> tuple[torch.Tensor, list]:
-        """Where `fuses_chunks`: `decode` and prompt chunks ((ids [1, end], prefix K and V or None), as
-        `prefill_alone` takes them) in one forward -> (logits [n, V], [(logits [1, V], K and V)])."""
+        """Where `fuses_chunks`: `decode` and prompt chunks ((ids [1, end], prefix K and V or None, as
+        `prefill_alone` takes them, or a `kv_cache.SharedPrefix`: the first columns of an earlier chunk of
+        this forward) in one forward -> (logits [n, V], [(logits [1, V], K and V)])."""

@@ -10,7 +10,7 @@ from transformers import DynamicCache, GPTBigCodeForCausalLM
 from plugins.core.arch import arch
 from plugins.core.tensors import position_ids, tensor_bytes
 from plugins.engine.backend import LocalBackend
-from plugins.engine.kv_cache import SingleHeadCache
+from plugins.engine.kv_cache import SharedPrefix, SingleHeadCache
 
 
 class HFDecoder:
@@ -113,15 +113,19 @@ class PoolDecoder:
 
     def mixed(self, tokens, attention_mask, position_ids, chunks):
         """`decode` and prompt chunks in one forward (where `fuses_chunks`): `chunks` a list of (prompt
-        ids [1, end], K and V of its first columns or None) as `prefill_alone` takes them; returns (decode
-        logits [n, V], per chunk (logits of its last token [1, V], its K and V: `end` columns))."""
+        ids [1, end], K and V of its first columns, a `SharedPrefix` or None) as `prefill_alone` takes
+        them; returns (decode logits [n, V], per chunk (logits of its last token [1, V], its K and V:
+        `end` columns))."""
         self._rows(tokens.shape[0], attention_mask.shape[1] - 1)
-        parts = []
-        for ids, prefix in chunks:
-            done = 0 if prefix is None else prefix[0].shape[2]
+        parts, shared = [], {}
+        for i, (ids, prefix) in enumerate(chunks):
+            if isinstance(prefix, SharedPrefix):
+                shared[i], done, prefix = prefix, prefix.columns, None
+            else:
+                done = 0 if prefix is None else prefix[0].shape[2]
             positions = torch.arange(done, ids.shape[1], device=ids.device)[None]
             parts.append((self._chunk_cache(ids.shape[1], prefix), ids[:, done:], positions))
-        logits, last = self.step.mixed(tokens, attention_mask, position_ids, parts)
+        logits, last = self.step.mixed(tokens, attention_mask, position_ids, parts, shared)
         return logits, [(chunk_logits, [t[:, :, :ids.shape[1]] for layer in cache.layers
                                         for t in (layer.keys, layer.values)])
                         for chunk_logits, (cache, _, _), (ids, _) in zip(last, parts, chunks)]

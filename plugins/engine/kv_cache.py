@@ -9,7 +9,7 @@ concatenated and K/V are never expanded to all query heads (attention broadcasts
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -102,6 +102,16 @@ class SingleHeadCache(Cache):
                    for t in (layer.keys, layer.values))
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A prompt chunk's start in a forward of several (`BatchDecoder.mixed`): the first `columns` K and V
+    of chunk `chunk` (an earlier one of the same forward), copied layer by layer as that chunk has
+    computed them; so prompts sharing a prefix that no cache holds yet compute it once."""
+
+    chunk: int
+    columns: int
+
+
 @dataclass
 class SegmentLayer:
     """One layer's caches for a forward of several sequences packed on one token axis (`Segments`)."""
@@ -109,20 +119,33 @@ class SegmentLayer:
     pool: SingleHeadLayer
     rows: int
     chunks: list[tuple[SingleHeadLayer, int]]
+    shared: dict[int, SharedPrefix]
+
+    def start(self, i: int) -> None:
+        """Before chunk i's attention: the columns it takes from an earlier chunk's layer, now computed."""
+        prefix = self.shared.get(i)
+        if prefix is not None:
+            layer, source = self.chunks[i][0], self.chunks[prefix.chunk][0]
+            layer.keys[:, :, :prefix.columns].copy_(source.keys[:, :, :prefix.columns])
+            layer.values[:, :, :prefix.columns].copy_(source.values[:, :, :prefix.columns])
+            layer.length = prefix.columns
 
 
 @dataclass
 class Segments:
     """The caches of one forward whose tokens [1, rows + chunk tokens] are one new token for each of
     the pool's first `rows` rows, then each prompt chunk's tokens (its one-row cache, its length).
-    Layers run their linears over all tokens at once and attend per segment on its own cache."""
+    Layers run their linears over all tokens at once and attend per segment on its own cache; chunk i
+    in `shared` starts from an earlier chunk's first columns (`SharedPrefix`)."""
 
     pool: SingleHeadCache
     rows: int
     chunks: list[tuple[SingleHeadCache, int]]
+    shared: dict[int, SharedPrefix] = field(default_factory=dict)
 
     def layer(self, i: int) -> SegmentLayer:
-        return SegmentLayer(self.pool.layers[i], self.rows, [(cache.layers[i], n) for cache, n in self.chunks])
+        return SegmentLayer(self.pool.layers[i], self.rows, [(cache.layers[i], n) for cache, n in self.chunks],
+                            self.shared)
 
 
 def layer_cache(cache, layer_idx: int, capacity: int) -> SingleHeadLayer | SegmentLayer | None:

@@ -38,6 +38,7 @@ from plugins.core.config import ConfigError, arch
 from plugins.core.tensors import tensor_bytes
 from plugins.engine.backend import LocalBackend
 from plugins.engine.contract import Backend, BatchDecoder
+from plugins.engine.kv_cache import SharedPrefix
 from plugins.engine.sampling import top_logprobs
 from plugins.serving.draft import DraftedDecoder
 from plugins.serving.kv_pool import RowPool
@@ -77,7 +78,7 @@ class ModelRunner:
         pool_bytes = self.pool.nbytes()
         self.info = RunnerInfo(pool_bytes=pool_bytes - draft_bytes, draft_bytes=draft_bytes,
                                token_bytes=(pool_bytes - draft_bytes) // (slots * capacity),
-                               speculative=proposer is not None)
+                               speculative=proposer is not None, fuses_chunks=decoder.fuses_chunks)
 
     @property
     def n(self) -> int:
@@ -94,12 +95,17 @@ class ModelRunner:
             self._admit(a)
         for key, (entry, tokens) in step.reuse.items():
             self._reuse(self.fills[key], entry, tokens)
+        for key, (_, columns) in step.share.items():
+            self.fills[key].done = columns
         start = time.perf_counter()
-        plan = [(self.fills[fill], end) for fill, end in step.chunks.items() if fill in self.fills]
+        decoding = bool(self.rows)  # rows placed by this step decode from the next one
+        keys = [key for key in step.chunks if key in self.fills]
+        plan = [(self.fills[key], step.chunks[key]) for key in keys]
         result.prompt_tokens = sum(end - fill.done for fill, end in plan)
         if plan and self.decoder.fuses_chunks and (self.rows or len(plan) > 1):
             # one forward: every row's decode step and the chunks (weights read once)
-            chunks = [(self._ids(fill.prompt[:end]), fill.kv) for fill, end in plan]
+            chunks = [(self._ids(fill.prompt[:end]), self._prefix(key, fill, keys, step)) for key, (fill, end)
+                      in zip(keys, plan)]
             outs = self._decode(result, False, chunks) if self.rows else self._chunks_alone(chunks)
             for (fill, end), (logits, kv) in zip(plan, outs):
                 fill.done, fill.logits, fill.kv = end, logits, _own(kv)
@@ -117,7 +123,7 @@ class ModelRunner:
             decode_start = time.perf_counter()
             if plan:
                 result.seconds["prefill"] = decode_start - start
-            if self.rows:
+            if decoding:
                 self._decode(result, step.speculate)
                 result.seconds["decode"] = time.perf_counter() - decode_start
         if self.proposer:
@@ -137,6 +143,15 @@ class ModelRunner:
         prefix into the chunk's own cache and leaves it untouched; the fill then holds that cache."""
         fill.kv = [t.narrow(self.decoder.time_dim, 0, tokens) for t in self.entries[entry]]
         fill.done = tokens
+
+    @staticmethod
+    def _prefix(key: int, fill: _Fill, keys: list[int], step: SchedulerOutput):
+        """What a chunk starts from: its fill's K and V so far, or the first columns of a chunk ahead of
+        it in this forward (`SchedulerOutput.share`)."""
+        if key not in step.share:
+            return fill.kv
+        ahead, columns = step.share[key]
+        return SharedPrefix(keys.index(ahead), columns)
 
     def _release(self, rid: int) -> None:
         for r, row in enumerate(self.rows):

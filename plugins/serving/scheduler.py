@@ -9,9 +9,11 @@ nano-vllm's split: the scheduler decides, the runner executes).
   and prompts being prefilled take it first come first served: a long prompt spreads over several
   steps (each chunk attends to the K and V of the chunks before it), several short ones share a step,
   and the running rows decode every step. A prompt's first chunk starts after its longest cached
-  prefix (looked up then, so a prompt admitted behind one that shares its prefix finds it cached); a
-  prompt sharing half of itself with one still being prefilled ahead of it waits for that one to be
-  cached rather than compute the prefix again.
+  prefix (looked up then, so a prompt admitted behind one that shares its prefix finds it cached). A
+  prompt sharing half of itself with one being prefilled ahead of it never computes that prefix again:
+  where the engine runs a step's chunks in one forward and the one ahead computes the shared columns
+  in this step, its first chunk starts from them in the same forward (vLLM's prefix caching of blocks
+  being computed); otherwise it waits for that prompt to be cached.
 - Decode: every running row, one token, or (`SpeculationPolicy`: when measured to pay) up to k + 1.
 - The prefix cache keeps a completed prompt's whole blocks, within the KV budget.
 
@@ -100,8 +102,14 @@ class Scheduler:
         for fill in self.fills.values():
             if budget <= 0:
                 break
-            if not fill.started and self._shares_prefix(fill, started):
-                continue  # its prefix is being computed: it waits to find it cached
+            if not fill.started:
+                ahead = self._sharing(fill, started)
+                if ahead is not None:
+                    columns = self._shared_columns(fill, ahead, out)
+                    if not columns:
+                        continue  # its prefix is being computed: it waits to find it cached
+                    out.share[fill.id] = (ahead.id, columns)
+                    fill.started, fill.done = True, columns
             started.append(fill)
             if not fill.started:
                 fill.started = True
@@ -126,16 +134,30 @@ class Scheduler:
         out.speculate = bool(self.speculation and rows and self.speculation.wanted(rows))
         return out
 
-    def _shares_prefix(self, fill: _Fill, ahead: list[_Fill]) -> bool:
-        """Whether a prompt being prefilled ahead of `fill` shares at least half of `fill`'s prompt (and a
-        block) with it that the prefix cache does not hold yet, so that computing `fill` now would compute
-        that prefix twice, while waiting for it to be cached costs `fill` only the steps the one ahead
-        still takes."""
+    def _sharing(self, fill: _Fill, ahead: list[_Fill]) -> _Fill | None:
+        """A prompt being prefilled ahead of `fill` that shares at least half of `fill`'s prompt (and a
+        block) with it that the prefix cache does not hold yet, so that computing `fill` on its own now
+        would compute that prefix twice; None if there is none."""
         if not self.kv.prefix_enabled:
-            return False
-        need = max(self.kv.block, len(fill.prompt) // 2)
-        return (len(fill.prompt) > need and any(fill.prompt[:need] == f.prompt[:need] for f in ahead)
-                and self.kv.cached(fill.prompt) < need)
+            return None
+        need = self._need(fill)
+        if len(fill.prompt) <= need or self.kv.cached(fill.prompt) >= need:
+            return None
+        return next((f for f in ahead if fill.prompt[:need] == f.prompt[:need]), None)
+
+    def _need(self, fill: _Fill) -> int:
+        return max(self.kv.block, len(fill.prompt) // 2)
+
+    def _shared_columns(self, fill: _Fill, ahead: _Fill, out: SchedulerOutput) -> int:
+        """How many first columns `fill` takes from `ahead`'s chunk in this step's forward (where the
+        engine runs every chunk in one forward and `ahead`'s reaches past the shared prefix); 0: none, it
+        waits for the prefix cache instead (costing it the steps the one ahead still takes)."""
+        if not self.kv.info.fuses_chunks or ahead.id not in out.chunks:
+            return 0
+        common = next((i for i, (a, b) in enumerate(zip(fill.prompt, ahead.prompt)) if a != b),
+                      min(len(fill.prompt), len(ahead.prompt)))
+        columns = min(common, out.chunks[ahead.id], len(fill.prompt) - 1)  # a token of its own left
+        return columns if columns >= self._need(fill) else 0
 
     def _admit(self, out: SchedulerOutput) -> None:
         held = self.held

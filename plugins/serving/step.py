@@ -19,6 +19,9 @@ class RunnerInfo:
     draft_bytes: int
     token_bytes: int
     speculative: bool  # the engine proposes tokens (prompt lookup or a draft model)
+    # one forward computes every chunk of a step (`BatchDecoder.fuses_chunks`), so a chunk can start from
+    # columns another chunk of the same step computes (SchedulerOutput.share)
+    fuses_chunks: bool = False
 
 
 @dataclass
@@ -39,6 +42,9 @@ class SchedulerOutput:
     reuse: dict[int, tuple[int, int]] = field(default_factory=dict)
     chunks: dict[int, int] = field(default_factory=dict)  # fill -> the prompt column its prefill reaches now
     keep: dict[int, tuple[int, int]] = field(default_factory=dict)  # completed fill -> (new entry, its tokens)
+    # fill -> (a fill ahead of it in `chunks`, its first columns): the fill's first chunk starts from those
+    # columns as the other one's chunk computes them in this same forward (a prefix neither had cached)
+    share: dict[int, tuple[int, int]] = field(default_factory=dict)
     speculate: bool = False                               # decode rows may verify proposed tokens
 
 

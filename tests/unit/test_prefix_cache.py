@@ -16,9 +16,9 @@ BLOCK = 16
 PER_TOKEN = 64  # bytes of one token's K and V (per rank)
 
 
-def manager(prefix_tokens: int, capacity: int = 16) -> KVManager:
-    return KVManager(RunnerInfo(pool_bytes=0, draft_bytes=0, token_bytes=PER_TOKEN, speculative=False), capacity,
-                     prefix_tokens * PER_TOKEN, block=BLOCK)
+def manager(prefix_tokens: int, capacity: int = 16, fuses_chunks: bool = False) -> KVManager:
+    info = RunnerInfo(pool_bytes=0, draft_bytes=0, token_bytes=PER_TOKEN, speculative=False, fuses_chunks=fuses_chunks)
+    return KVManager(info, capacity, prefix_tokens * PER_TOKEN, block=BLOCK)
 
 
 def test_lookup_finds_the_longest_cached_block_prefix_and_leaves_a_token_to_compute():
@@ -131,3 +131,38 @@ def test_a_prompt_sharing_its_prefix_with_one_being_prefilled_waits_to_find_it_c
     off.add(Request(1, first.prompt, 4))
     off.add(Request(2, second.prompt, 4))
     assert off.schedule().chunks == {1: 72, 2: 72}
+
+
+def test_where_one_forward_runs_every_chunk_a_prompt_starts_from_the_shared_columns_of_the_one_ahead():
+    from plugins.serving.request import Request
+    from plugins.serving.scheduler import Scheduler
+
+    shared = list(range(500, 564))
+    first, second = Request(1, shared + [1] * 8, 4), Request(2, shared + [2] * 8, 4)
+    other, third = Request(3, list(range(900, 972)), 4), Request(4, shared + [4] * 8, 4)
+    scheduler = Scheduler(5, 128, manager(1 << 13, capacity=128, fuses_chunks=True))
+    for request in (first, second, other, third):
+        scheduler.add(request)
+    step = scheduler.schedule()
+    # one step: the 64 shared columns computed once, by the first; the second and the third take them
+    assert step.chunks == {1: 72, 2: 72, 3: 72, 4: 72} and not step.reuse
+    assert step.share == {2: (1, 64), 4: (1, 64)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
+def test_a_chunk_starting_from_another_chunks_columns_matches_its_prompt_computed_alone(ckpt_factory, tokenizer, name):
+    from plugins.engine.kv_cache import SharedPrefix
+
+    backend = load_backend("deepspeed", ckpt_factory(name), dtype="float32")
+    decoder = backend.batch_decoder(2, 96)
+    base = prompt_token_ids(tokenizer, 50, 7)
+    first, second = base + prompt_token_ids(tokenizer, 9, 8), base + prompt_token_ids(tokenizer, 13, 9)
+    alone, kv_alone = decoder.prefill_alone(torch.tensor([second]))
+    no_rows = torch.zeros(0, 1, dtype=torch.long)
+    _, chunked = decoder.mixed(no_rows, torch.zeros(0, 1, dtype=torch.long), no_rows,
+                               [(torch.tensor([first]), None), (torch.tensor([second]), SharedPrefix(0, 50))])
+    logits, kv = chunked[1]
+    torch.testing.assert_close(logits, alone, rtol=0, atol=1e-5)
+    assert len(kv) == len(kv_alone) and kv[0].shape[decoder.time_dim] == len(second)
+    for a, b in zip(kv, kv_alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
