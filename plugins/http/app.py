@@ -103,15 +103,21 @@ def create_app(served: Served, on_shutdown=None) -> FastAPI:
         """`error_response(RequestError)`: the route's own error body (TGI's), else OpenAI's."""
         async def endpoint(http: HTTPRequest):
             arrived = time.monotonic()  # TTFT counts reading, tokenization and queueing too
+            arrival = None
             try:
                 body = await read_body(http)
                 if body is None:  # nobody to answer
                     return Response(status_code=400)
+                # read: the engine's next step may wait for it (a slow body holds nobody up)
+                arrival = served.arrival()  # done when the handler queues it (Served.start), at the latest below
                 return await handler(served, http, body, arrived)
             except RequestError as exc:
                 if error_response is None:
                     raise
                 return error_response(exc)
+            finally:
+                if arrival is not None:
+                    arrival.done()
 
         app.add_api_route(path, endpoint, methods=["POST"], name=path)
 

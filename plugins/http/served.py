@@ -8,6 +8,7 @@ token ids it streams back into text; the engine's loop runs in its own thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from plugins.http.api import RequestError, check_token_ids
 from plugins.http.text import EOS_NAMES, StreamText, encode_prompt, special_id
-from plugins.serving.engine import QueueFull, ResultQueue, ServerClosing, ServingEngine
+from plugins.serving.engine import Arrival, QueueFull, ResultQueue, ServerClosing, ServingEngine
 from plugins.serving.request import Request, RequestRefused
 
 MAX_BODY_BYTES = 4 << 20
@@ -50,6 +51,10 @@ class Event:
     stopped_by_text: bool = False      # the finish is a stop string's (not a stop token's)
 
 
+# the Arrival of the request whose task this is (set by Served.arrival, read by Served.start)
+_ARRIVAL: contextvars.ContextVar[Arrival] = contextvars.ContextVar("arrival")
+
+
 class Served:
     """What the app serves: the serving engine (over an open backend), its tokenizer and the model id."""
 
@@ -70,6 +75,13 @@ class Served:
     @property
     def capacity(self) -> int:
         return self.engine.capacity
+
+    def arrival(self) -> Arrival:
+        """This request's `Arrival` (the engine's first step of a burst waits for it until `start` queues
+        it), kept in the request's task context for `start`."""
+        arrival = self.engine.arrival()
+        _ARRIVAL.set(arrival)
+        return arrival
 
     def note_ignored(self, names) -> None:
         """Unknown request fields are ignored. A request naming fields not logged before gets one log line
@@ -133,7 +145,7 @@ class Served:
         loop = asyncio.get_running_loop()
         queues = [ResultQueue(r, loop, arrived=arrived) for r in requests]
         try:
-            self.engine.submit(*queues)
+            self.engine.submit(*queues, arrival=_ARRIVAL.get(None))
         except RequestRefused as e:
             raise _refused(e, names) from None
         except (QueueFull, ServerClosing) as e:

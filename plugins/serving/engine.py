@@ -108,6 +108,7 @@ class ServingEngine:
         self._queues: dict[int, ResultQueue] = {}
         self._ids = itertools.count(1)
         self._closing = False
+        self._arriving = 0  # requests received, not yet submitted (read, tokenized): a burst's first step waits
         self.error: str | None = None  # set when the engine failed; the server then reports unhealthy
         self.failed_at_close = 0
         self._stopped = threading.Event()
@@ -123,9 +124,29 @@ class ServingEngine:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def submit(self, *queues: ResultQueue) -> None:
+    def arrival(self) -> "Arrival":
+        """A request received and not yet submitted (being read, tokenized): while nothing runs, the next
+        step waits for it (Scheduler.gather) until `submit(..., arrival=)` queues it or `Arrival.done()`."""
+        with self._cond:
+            self._arriving += 1
+        return Arrival(self)
+
+    def _arrived(self) -> None:
+        with self._cond:
+            self._arriving -= 1
+            self._cond.notify()
+
+    def submit(self, *queues: ResultQueue, arrival: "Arrival | None" = None) -> None:
         """Queue requests together (all or none): n choices of one prompt are admitted in one step where
-        the slots allow, so they share its prefill. RequestRefused names what no retry can fix."""
+        the slots allow, so they share its prefill. RequestRefused names what no retry can fix.
+        `arrival`: theirs, done once they are queued (in the same hold of the lock) or refused."""
+        try:
+            self._submit(queues, arrival)
+        finally:
+            if arrival is not None:
+                arrival.done()
+
+    def _submit(self, queues: tuple[ResultQueue, ...], arrival: "Arrival | None") -> None:
         for q in queues:
             q.request.check(self.capacity)
         if len(queues) > self.slots + self.max_waiting:
@@ -144,6 +165,8 @@ class ServingEngine:
                 self._queues[q.request.id] = q
                 q.request.arrival = q.arrived
                 self.scheduler.add(q.request)
+            if arrival is not None:
+                arrival.done()  # queued: it counts as waiting now, no longer as arriving
             self.metrics.waiting.set(len(self.scheduler.waiting))
             self._cond.notify()
 
@@ -165,6 +188,10 @@ class ServingEngine:
                     self._cond.wait()
                 if self.error or (self._closing and not self.scheduler.has_work()):
                     return
+                wait = 0.0 if self._closing else self.scheduler.gather(time.monotonic(), self._arriving)
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
                 step = self.scheduler.schedule()
                 for rid in step.release:
                     q = self._queues.pop(rid, None)
@@ -280,3 +307,15 @@ class ServingEngine:
                     "kv_bytes": self.kv.bytes_in_use(), "kv_budget_bytes": self.kv.budget_bytes(),
                     "prefix_cache_bytes": self.prefix_cache_bytes, "max_batched_tokens": self.max_batched_tokens,
                     "error": self.error}
+
+
+class Arrival:
+    """A request on its way to `ServingEngine.submit` (`ServingEngine.arrival()`); `done()` once."""
+
+    def __init__(self, engine: ServingEngine):
+        self.engine, self.finished = engine, False
+
+    def done(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._arrived()

@@ -367,3 +367,48 @@ def test_max_token_bytes_bounds_every_token(tokenizer):
     longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
                   for i in range(tokenizer.get_vocab_size()))
     assert longest <= bound
+
+
+def test_while_nothing_runs_a_step_waits_for_the_requests_on_their_way(ckpt, tokenizer, monkeypatch):
+    """A burst's first step waits for its requests still being read or tokenized, so they share it."""
+    import asyncio
+
+    from plugins.serving import scheduler
+    from plugins.serving.engine import ResultQueue, ServingEngine
+    from plugins.serving.request import Request
+
+    monkeypatch.setattr(scheduler, "GATHER_MAX_S", 60.0)  # here the wait ends with the arrival, not the clock
+    engine = ServingEngine(load_backend("hf", ckpt, dtype="float32"), SLOTS, 256)
+    thread = threading.Thread(target=engine.run)
+    thread.start()
+
+    async def finish(q) -> list[int]:
+        tokens = []
+        while True:
+            item = await q.queue.get()
+            assert item[0] == "tokens", item
+            tokens += item[1]
+            if item[3] is not None:
+                return tokens
+
+    async def burst():
+        loop = asyncio.get_running_loop()
+        on_its_way = engine.arrival()  # the second request, being tokenized
+        first = ResultQueue(Request(id=engine.new_id(), prompt=prompt_token_ids(tokenizer, 9, 1), max_tokens=3), loop)
+        engine.submit(first, arrival=engine.arrival())
+        await asyncio.sleep(0.5)
+        assert first.first_token is None  # not computed alone: the step waits for the one on its way
+        second = ResultQueue(Request(id=engine.new_id(), prompt=prompt_token_ids(tokenizer, 12, 2), max_tokens=3),
+                             loop)
+        engine.submit(second, arrival=on_its_way)
+        assert await finish(first) and await finish(second)
+        assert first.first_token == second.first_token  # delivered by one step
+        alone = ResultQueue(Request(id=engine.new_id(), prompt=prompt_token_ids(tokenizer, 5, 3), max_tokens=2), loop)
+        engine.submit(alone, arrival=engine.arrival())  # nothing else on its way: no wait
+        assert len(await asyncio.wait_for(finish(alone), 30)) == 2
+
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.close(timeout=5)
+        thread.join(30)

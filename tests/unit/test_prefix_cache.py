@@ -166,3 +166,26 @@ def test_a_chunk_starting_from_another_chunks_columns_matches_its_prompt_compute
     assert len(kv) == len(kv_alone) and kv[0].shape[decoder.time_dim] == len(second)
     for a, b in zip(kv, kv_alone):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_the_first_step_of_a_burst_waits_for_its_requests_on_their_way_while_nothing_runs():
+    import time
+
+    from plugins.serving.request import Request
+    from plugins.serving.scheduler import GATHER_MAX_S, Scheduler
+    from plugins.serving.step import StepResult
+
+    scheduler = Scheduler(4, 128, manager(1 << 13, capacity=128, fuses_chunks=True))
+    assert scheduler.gather(time.monotonic(), 3) == 0  # nothing waits
+    scheduler.add(Request(1, list(range(500, 564)), 4, arrival=1.0))  # arrived long before it was queued
+    queued = scheduler.queued[1]
+    assert scheduler.gather(queued + 0.01, 0) == 0  # a lone request: no wait
+    assert scheduler.gather(queued + 0.01, 2) == pytest.approx(GATHER_MAX_S - 0.01)  # two on their way
+    assert scheduler.gather(queued + GATHER_MAX_S, 2) == 0  # at most GATHER_MAX_S after the first was queued
+    for k in range(1, 4):
+        scheduler.add(Request(1 + k, list(range(600 + k, 640 + k)), 4))
+    step = scheduler.schedule()
+    assert sorted(step.chunks) == [1, 2, 3, 4] and not scheduler.queued  # every slot's prompt in the first step
+    scheduler.update(step, StepResult())
+    scheduler.add(Request(5, list(range(700, 740)), 4))
+    assert scheduler.gather(time.monotonic(), 1) == 0  # rows run: it joins the next step
